@@ -1,0 +1,425 @@
+"""ModelConfig: the shape of a Llama-family model, Hugging Face config.json in and out, presets."""
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+# Architectures whose math is this module's: Llama's decoder (Mistral without its sliding window
+# is the same; Qwen2 adds q/k/v biases).
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+_MODEL_TYPE = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ModelConfigError(ValueError):
+    """A model config that this trainer cannot build, with what to do about it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling: "linear" (factor) or "llama3" (factor, low/high, original ctx)."""
+
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in ("linear", "llama3"):
+            raise ModelConfigError(
+                f"rope scaling type {self.rope_type!r} is not implemented "
+                f"(supported: linear, llama3)"
+            )
+        if self.factor <= 0:
+            raise ModelConfigError(f"rope scaling factor must be > 0, got {self.factor}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-family decoder's shape, mirroring the fields of Hugging Face config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v biases (Qwen2 always has them)
+    sliding_window: int | None = None  # Mistral: sequences longer than this are refused
+    architecture: str = "LlamaForCausalLM"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ModelConfigError(
+                f"architecture {self.architecture!r} is not supported (supported: "
+                f"{', '.join(ARCHITECTURES)})"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+        ):
+            if getattr(self, name) <= 0:
+                raise ModelConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ModelConfigError(
+                f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                f"({self.num_attention_heads}); set head_dim explicitly"
+            )
+        if self.head_dim is None:  # normalized, so equal shapes compare equal
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.dim_per_head % 2:
+            raise ModelConfigError(f"head_dim must be even for RoPE, got {self.dim_per_head}")
+
+    @property
+    def dim_per_head(self) -> int:
+        """Head dimension Dh, explicit or hidden_size / heads."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def model_type(self) -> str:
+        """HF model_type string for this architecture."""
+        return _MODEL_TYPE[self.architecture]
+
+    def num_params(self) -> int:
+        """Parameter count, computed from the shapes (embeddings and head included)."""
+        D, F, V, L = (
+            self.hidden_size,
+            self.intermediate_size,
+            self.vocab_size,
+            self.num_hidden_layers,
+        )
+        q, kv = (
+            self.num_attention_heads * self.dim_per_head,
+            self.num_key_value_heads * self.dim_per_head,
+        )
+        attn = D * q + 2 * D * kv + q * D + (q + 2 * kv if self.attention_bias else 0)
+        layer = attn + 3 * D * F + 2 * D
+        return V * D * (1 if self.tie_word_embeddings else 2) + L * layer + D
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (DESIGN.md): 6 x matmul params + causal attention, fwd+bwd."""
+        D, F, V, L = (
+            self.hidden_size,
+            self.intermediate_size,
+            self.vocab_size,
+            self.num_hidden_layers,
+        )
+        q, kv = (
+            self.num_attention_heads * self.dim_per_head,
+            self.num_key_value_heads * self.dim_per_head,
+        )
+        matmul_params = L * (D * q + 2 * D * kv + q * D + 3 * D * F) + D * V
+        return 6.0 * matmul_params + 6.0 * L * seq_len * q
+
+    # ---- Hugging Face config.json ----
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        """Build from a parsed HF config.json; unknown architectures and unsupported fields fail."""
+        archs = d.get("architectures") or []
+        if len(archs) != 1:
+            raise ModelConfigError(f"{source}: expected one entry in 'architectures', got {archs}")
+        arch = archs[0]
+        if arch not in ARCHITECTURES:
+            raise ModelConfigError(
+                f"{source}: architecture {arch!r} is not supported (supported: "
+                f"{', '.join(ARCHITECTURES)})"
+            )
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (only silu)")
+        if d.get("mlp_bias"):
+            raise ModelConfigError(f"{source}: mlp_bias=true is not supported")
+        if arch == "Qwen2ForCausalLM" and d.get("use_sliding_window"):
+            raise ModelConfigError(f"{source}: use_sliding_window=true is not supported")
+        theta, scaling = _read_rope(d, source)
+        heads = d["num_attention_heads"]
+        try:
+            return cls(
+                vocab_size=d["vocab_size"],
+                hidden_size=d["hidden_size"],
+                intermediate_size=d["intermediate_size"],
+                num_hidden_layers=d["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=d.get("num_key_value_heads") or heads,
+                head_dim=d.get("head_dim"),
+                rms_norm_eps=d.get("rms_norm_eps", 1e-6 if arch == "Qwen2ForCausalLM" else 1e-5),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                max_position_embeddings=d.get("max_position_embeddings", 4096),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
+                sliding_window=d.get("sliding_window") if arch == "MistralForCausalLM" else None,
+                architecture=arch,
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_id=d.get("eos_token_id"),
+            )
+        except KeyError as e:
+            raise ModelConfigError(f"{source}: missing required field {e.args[0]!r}") from None
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The HF config.json dict (rope_theta + rope_scaling, read by transformers 4 and 5)."""
+        d: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.dim_per_head,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "torch_dtype": "float32",
+        }
+        if self.rope_scaling is not None:
+            d["rope_scaling"] = {
+                "rope_type": self.rope_scaling.rope_type,
+                "factor": self.rope_scaling.factor,
+            }
+            if self.rope_scaling.rope_type == "llama3":
+                d["rope_scaling"].update(
+                    low_freq_factor=self.rope_scaling.low_freq_factor,
+                    high_freq_factor=self.rope_scaling.high_freq_factor,
+                    original_max_position_embeddings=self.rope_scaling.original_max_position_embeddings,
+                )
+        if self.architecture == "LlamaForCausalLM":
+            d.update(attention_bias=self.attention_bias, mlp_bias=False)
+        elif self.architecture == "Qwen2ForCausalLM":
+            d.update(use_sliding_window=False, sliding_window=None)
+        else:
+            d.update(sliding_window=self.sliding_window)
+        return d
+
+    @classmethod
+    def from_hf_dir(cls, path: str) -> "ModelConfig":
+        """Read `path/config.json` of a Hugging Face model directory."""
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ModelConfigError(
+                f"{path}: no config.json here; --model must be a Hugging Face model directory "
+                f"or, with --from_scratch, a preset ({', '.join(PRESETS)})"
+            )
+        try:
+            with open(cfg_path) as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{cfg_path}: not valid JSON ({e})") from None
+        return cls.from_hf_dict(d, source=cfg_path)
+
+    def save_hf(self, path: str) -> None:
+        """Write `path/config.json`."""
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(self.to_hf_dict(), f, indent=2)
+            f.write("\n")
+
+
+def _read_rope(d: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+    """RoPE theta and scaling from either spelling: rope_theta + rope_scaling, or rope_parameters."""
+    params = d.get("rope_parameters")
+    scaling = d.get("rope_scaling")
+    theta = d.get("rope_theta")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", theta)
+        scaling = params
+    if theta is None:
+        theta = 10000.0
+    if not scaling:
+        return float(theta), None
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type not in ROPE_TYPES:
+        raise ModelConfigError(
+            f"{source}: rope scaling type {rope_type!r} is not implemented "
+            f"(supported: {', '.join(ROPE_TYPES)})"
+        )
+    fields = {k: scaling[k] for k in dataclasses.asdict(RopeScaling("linear")) if k in scaling}
+    fields["rope_type"] = rope_type
+    return float(theta), RopeScaling(**fields)
+
+
+_LLAMA3_ROPE = dict(
+    low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+
+
+def _llama3(**kw: Any) -> ModelConfig:
+    base = dict(
+        vocab_size=128256,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    )
+    return ModelConfig(**{**base, **kw})
+
+
+def _qwen25(**kw: Any) -> ModelConfig:
+    base = dict(
+        vocab_size=151936,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        architecture="Qwen2ForCausalLM",
+        bos_token_id=151643,
+        eos_token_id=151643,
+    )
+    return ModelConfig(**{**base, **kw})
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # A few M parameters: tests, the quickstart and smoke runs. Vocab fits the quickstart tokenizer.
+    "tiny": ModelConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+    ),
+    "llama-3.2-1b": _llama3(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        tie_word_embeddings=True,
+        rope_scaling=RopeScaling("llama3", factor=32.0, **_LLAMA3_ROPE),
+    ),
+    "llama-3.2-3b": _llama3(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        rope_scaling=RopeScaling("llama3", factor=32.0, **_LLAMA3_ROPE),
+    ),
+    "llama-3.1-8b": _llama3(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_scaling=RopeScaling("llama3", factor=8.0, **_LLAMA3_ROPE),
+    ),
+    "llama-2-7b": ModelConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "qwen2.5-0.5b": _qwen25(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+    ),
+    "qwen2.5-1.5b": _qwen25(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=131072,
+    ),
+    "qwen2.5-3b": _qwen25(
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+    ),
+    "qwen2.5-7b": _qwen25(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        max_position_embeddings=131072,
+    ),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """A named preset; unknown names fail with the list of known ones."""
+    if name not in PRESETS:
+        raise ModelConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def rope_inv_freq(cfg: ModelConfig) -> list[float]:
+    """Per-pair inverse frequencies (Dh/2 of them), with the config's scaling applied."""
+    dh = cfg.dim_per_head
+    inv = [1.0 / (cfg.rope_theta ** (i / dh)) for i in range(0, dh, 2)]
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    if s.rope_type == "linear":
+        return [f / s.factor for f in inv]
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between
+    # (Meta's Llama 3.1 reference, as transformers implements it).
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    out = []
+    for f in inv:
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            out.append(f)
+        elif wavelen > low_wavelen:
+            out.append(f / s.factor)
+        else:
+            smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+                s.high_freq_factor - s.low_freq_factor
+            )
+            out.append((1 - smooth) * f / s.factor + smooth * f)
+    return out

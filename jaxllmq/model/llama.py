@@ -1,0 +1,243 @@
+"""The Llama-family decoder (Llama 2/3.x, Qwen2/2.5, Mistral) in Flax NNX.
+
+Shape letters: B batch, T sequence, D model dim, N query heads, K kv heads, H head dim,
+F ffn dim, V vocab, L layers.
+
+Parameters keep Hugging Face names (q_proj, gate_proj, input_layernorm, ...) and carry logical
+axis names in their `axes` metadata; the per-layer ones are stacked on a leading "layers" axis, so
+the same storage serves scanned and unrolled layers, checkpoints and the HF name table alike.
+Matrices are stored [in, out] (HF stores [out, in]; hf.py transposes).
+"""
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllmq.kernels.rms_norm import rms_norm
+from jaxllmq.model.config import ModelConfig, rope_inv_freq
+
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> jax.Array:
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class DecoderLayers(nnx.Module):
+    """All decoder layers' parameters, stacked on a leading [L] axis."""
+
+    def __init__(self, cfg: ModelConfig, *, param_dtype, init_proj_to_zero: bool, rngs: nnx.Rngs):
+        L, D, F = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
+        NH, KH = (
+            cfg.num_attention_heads * cfg.dim_per_head,
+            cfg.num_key_value_heads * cfg.dim_per_head,
+        )
+        std = 0.02
+        # llmq's init: output projections scaled by 1/sqrt(2L) so the residual stream's variance
+        # does not grow with depth; or zero, so every block starts as the identity.
+        out_std = 0.0 if init_proj_to_zero else std / math.sqrt(2 * L)
+
+        def mat(shape, axes, s=std):
+            return nnx.Param(_normal(rngs, (L, *shape), s, param_dtype), axes=("layers", *axes))
+
+        def vec(n, axes, fill):
+            return nnx.Param(jnp.full((L, n), fill, param_dtype), axes=("layers", axes))
+
+        self.input_layernorm = vec(D, "norm", 1.0)
+        self.q_proj = mat((D, NH), ("embed", "q_heads"))
+        self.k_proj = mat((D, KH), ("embed", "kv_heads"))
+        self.v_proj = mat((D, KH), ("embed", "kv_heads"))
+        self.o_proj = mat((NH, D), ("q_heads", "embed"), out_std)
+        if cfg.attention_bias:
+            self.q_bias = vec(NH, "q_heads", 0.0)
+            self.k_bias = vec(KH, "kv_heads", 0.0)
+            self.v_bias = vec(KH, "kv_heads", 0.0)
+        self.post_attention_layernorm = vec(D, "norm", 1.0)
+        self.gate_proj = mat((D, F), ("embed", "mlp"))
+        self.up_proj = mat((D, F), ("embed", "mlp"))
+        self.down_proj = mat((F, D), ("mlp", "embed"), out_std)
+
+    def arrays(self) -> dict[str, jax.Array]:
+        """The stacked parameter arrays by name."""
+        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin tables [..., H] for the given integer positions, fp32 (HF's half-split layout)."""
+    inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x_BxTxNxH: jax.Array, cos_BxTxH: jax.Array, sin_BxTxH: jax.Array) -> jax.Array:
+    """Rotate pairs (i, i + H/2) by the position's angle; fp32 math, result in x's dtype."""
+    x = x_BxTxNxH.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    cos, sin = cos_BxTxH[:, :, None, :], sin_BxTxH[:, :, None, :]
+    return (x * cos + rotated * sin).astype(x_BxTxNxH.dtype)
+
+
+def resolve_attention(attention: str, dtype) -> str:
+    """'auto' -> cuDNN's fused attention on GPU in bf16/fp16, XLA's otherwise."""
+    if attention not in ATTENTION_IMPLS:
+        raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
+    if attention != "auto":
+        return attention
+    on_gpu = jax.default_backend() == "gpu"
+    return "cudnn" if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
+
+
+def decoder_layer(
+    p: dict[str, jax.Array],
+    x_BxTxD: jax.Array,
+    cos_BxTxH: jax.Array,
+    sin_BxTxH: jax.Array,
+    *,
+    cfg: ModelConfig,
+    dtype,
+    attention: str,
+    kernels: str,
+) -> jax.Array:
+    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). Params cast to `dtype` here."""
+    B, T, _ = x_BxTxD.shape
+    N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_per_head
+    w = {k: v.astype(dtype) for k, v in p.items()}
+    eps = cfg.rms_norm_eps
+
+    h_BxTxD = rms_norm(x_BxTxD, w["input_layernorm"], eps, impl=kernels)
+    q = h_BxTxD @ w["q_proj"]
+    k = h_BxTxD @ w["k_proj"]
+    v = h_BxTxD @ w["v_proj"]
+    if cfg.attention_bias:
+        q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    q_BxTxNxH = apply_rope(q.reshape(B, T, N, H), cos_BxTxH, sin_BxTxH)
+    k_BxTxKxH = apply_rope(k.reshape(B, T, K, H), cos_BxTxH, sin_BxTxH)
+    v_BxTxKxH = v.reshape(B, T, K, H)
+    # Causal GQA: K kv heads serve N/K query heads each; cuDNN's fused kernel on GPU.
+    o_BxTxNxH = jax.nn.dot_product_attention(
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True, implementation=attention
+    )
+    x_BxTxD = x_BxTxD + o_BxTxNxH.reshape(B, T, N * H) @ w["o_proj"]
+
+    h_BxTxD = rms_norm(x_BxTxD, w["post_attention_layernorm"], eps, impl=kernels)
+    gate_BxTxF = jax.nn.silu(h_BxTxD @ w["gate_proj"])
+    up_BxTxF = h_BxTxD @ w["up_proj"]
+    return x_BxTxD + (gate_BxTxF * up_BxTxF) @ w["down_proj"]
+
+
+class Llama(nnx.Module):
+    """Decoder-only LM. `__call__` gives final-normed hidden states; `logits` adds the head."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype=jnp.float32,
+        dtype=jnp.float32,
+        scan_layers: bool = True,
+        attention: str = "auto",
+        kernels: str = "xla",
+        remat: Callable | None = None,
+        init_proj_to_zero: bool = False,
+    ):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.scan_layers = scan_layers
+        self.attention = resolve_attention(attention, dtype)
+        self.kernels = kernels
+        # remat: a function wrapping the per-layer function (jax.checkpoint with a policy).
+        self.remat = remat
+        D, V = cfg.hidden_size, cfg.vocab_size
+        self.embed_tokens = nnx.Param(
+            _normal(rngs, (V, D), 0.02, param_dtype), axes=("vocab", "embed")
+        )
+        self.layers = DecoderLayers(
+            cfg, param_dtype=param_dtype, init_proj_to_zero=init_proj_to_zero, rngs=rngs
+        )
+        self.norm = nnx.Param(jnp.ones((D,), param_dtype), axes=("norm",))
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Param(
+                _normal(rngs, (D, V), 0.02, param_dtype), axes=("embed", "vocab")
+            )
+
+    def head_weight(self) -> jax.Array:
+        """The LM head as [D, V] in the compute dtype (the embedding's transpose when tied)."""
+        if self.cfg.tie_word_embeddings:
+            return self.embed_tokens[...].T.astype(self.dtype)
+        return self.lm_head[...].astype(self.dtype)
+
+    def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None) -> jax.Array:
+        """Final-normed hidden states [B, T, D] in the compute dtype."""
+        cfg = self.cfg
+        B, T = tokens_BxT.shape
+        if cfg.sliding_window is not None and T > cfg.sliding_window:
+            raise ValueError(
+                f"sequence length {T} exceeds the model's sliding_window {cfg.sliding_window}, "
+                "which this trainer does not implement; use --seq_len <= sliding_window"
+            )
+        if positions_BxT is None:
+            positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        cos, sin = rope_cos_sin(cfg, positions_BxT)
+        x_BxTxD = jnp.take(self.embed_tokens[...], tokens_BxT, axis=0).astype(self.dtype)
+
+        def layer(x, p):
+            return decoder_layer(
+                p,
+                x,
+                cos,
+                sin,
+                cfg=cfg,
+                dtype=self.dtype,
+                attention=self.attention,
+                kernels=self.kernels,
+            )
+
+        if self.remat is not None:
+            layer = self.remat(layer)
+        stacked = self.layers.arrays()
+        if self.scan_layers:
+            x_BxTxD, _ = jax.lax.scan(lambda x, p: (layer(x, p), None), x_BxTxD, stacked)
+        else:
+            for i in range(cfg.num_hidden_layers):
+                x_BxTxD = layer(x_BxTxD, {k: v[i] for k, v in stacked.items()})
+        return rms_norm(
+            x_BxTxD, self.norm[...].astype(self.dtype), cfg.rms_norm_eps, impl=self.kernels
+        )
+
+    def logits(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None) -> jax.Array:
+        """Logits [B, T, V] in fp32 (for evaluation, parity tests and sampling; training fuses)."""
+        h_BxTxD = self(tokens_BxT, positions_BxT)
+        return jnp.einsum(
+            "btd,dv->btv", h_BxTxD, self.head_weight(), preferred_element_type=jnp.float32
+        )
+
+
+def params_of(model: Llama) -> dict:
+    """The model's parameters as a pure nested dict of arrays (the train state's layout)."""
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def logical_axes(model: Llama) -> dict:
+    """Each parameter's logical axis names, as a nested dict shaped like `params_of(model)`."""
+    out: dict = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Param):
+            *parents, leaf = path
+            d = out
+            for key in parents:
+                d = d.setdefault(key, {})
+            d[leaf] = node.get_metadata()["axes"]
+    return out
+
+
+def abstract_model(cfg: ModelConfig, **model_kwargs) -> tuple[nnx.GraphDef, dict, dict]:
+    """(graphdef, params as ShapeDtypeStructs, logical axes) of a Llama, allocating nothing."""
+    abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), **model_kwargs))
+    graphdef, _ = nnx.split(abstract)
+    return graphdef, params_of(abstract), logical_axes(abstract)

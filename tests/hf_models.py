@@ -1,0 +1,64 @@
+"""Tiny random transformers models, built and saved locally (no downloads), for parity tests."""
+
+import torch
+import transformers
+
+
+def tiny_llama(path: str, seed: int = 0) -> transformers.PreTrainedModel:
+    """A Llama with GQA, llama3 rope scaling and untied embeddings, saved as safetensors to path."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=311,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        tie_word_embeddings=False,
+    )
+    return _build(transformers.LlamaForCausalLM, cfg, path, seed)
+
+
+def tiny_qwen2(path: str, seed: int = 0) -> transformers.PreTrainedModel:
+    """A Qwen2 with q/k/v biases and tied embeddings, saved as safetensors to path."""
+    cfg = transformers.Qwen2Config(
+        vocab_size=293,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    )
+    return _build(transformers.Qwen2ForCausalLM, cfg, path, seed)
+
+
+def _build(cls, cfg, path: str, seed: int) -> transformers.PreTrainedModel:
+    torch.manual_seed(seed)
+    cfg.attn_implementation = "eager"
+    model = cls(cfg).to(torch.float32).eval()
+    # Random biases and norm weights too: zeros and ones would hide a missing or misplaced one.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def hf_logits(model: transformers.PreTrainedModel, tokens) -> "torch.Tensor":
+    """fp32 logits of a transformers model on int tokens [B, T]."""
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()

@@ -1,0 +1,139 @@
+"""Model config, presets (shapes via eval_shape, no memory) and the module's own invariants."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxllmq.model.config import PRESETS, ModelConfig, ModelConfigError, RopeScaling, preset
+from jaxllmq.model.llama import Llama, abstract_model, params_of
+
+REAL_COUNTS = {
+    "llama-3.2-1b": 1_235_814_400,
+    "qwen2.5-0.5b": 494_032_768,
+    "llama-3.1-8b": 8_030_261_248,
+    "llama-3.2-3b": 3_212_749_824,
+    "llama-2-7b": 6_738_415_616,
+    "qwen2.5-1.5b": 1_543_714_304,
+    "qwen2.5-3b": 3_085_938_688,
+    "qwen2.5-7b": 7_615_616_512,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_parameter_count(name):
+    _, abstract, axes = abstract_model(PRESETS[name])
+    count = sum(x.size for x in jax.tree.leaves(abstract))
+    assert count == PRESETS[name].num_params()
+    if name in REAL_COUNTS:
+        assert count == REAL_COUNTS[name]
+    # Every parameter carries one logical axis name per dimension.
+    shapes = jax.tree.map(lambda x: x.shape, abstract)
+    names = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+    assert [len(s) for s in jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple))] == [
+        len(n) for n in names
+    ]
+
+
+def test_tiny_is_a_few_million_params():
+    assert 1e6 < preset("tiny").num_params() < 2e7
+
+
+def test_unknown_preset():
+    with pytest.raises(ModelConfigError, match="unknown preset 'llama-9'.*tiny"):
+        preset("llama-9")
+
+
+LLAMA3_HF = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": True,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+LLAMA3_SCALING = {
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def test_both_rope_spellings_read_the_same():
+    tf4 = dict(
+        LLAMA3_HF, rope_theta=500000.0, rope_scaling=dict(LLAMA3_SCALING, rope_type="llama3")
+    )
+    old = dict(LLAMA3_HF, rope_theta=500000.0, rope_scaling=dict(LLAMA3_SCALING, type="llama3"))
+    tf5 = dict(
+        LLAMA3_HF, rope_parameters=dict(LLAMA3_SCALING, rope_type="llama3", rope_theta=500000.0)
+    )
+    a, b, c = (ModelConfig.from_hf_dict(d) for d in (tf4, old, tf5))
+    assert a == b == c == preset("llama-3.2-1b")
+    assert a.rope_scaling == RopeScaling("llama3", **LLAMA3_SCALING)
+
+
+def test_hf_dict_round_trip():
+    for name, cfg in PRESETS.items():
+        assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg, name
+
+
+def test_unsupported_fields_fail_clearly():
+    yarn = dict(LLAMA3_HF, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ModelConfigError, match="'yarn' is not implemented"):
+        ModelConfig.from_hf_dict(yarn)
+    with pytest.raises(ModelConfigError, match="hidden_act 'gelu'"):
+        ModelConfig.from_hf_dict(dict(LLAMA3_HF, hidden_act="gelu"))
+    with pytest.raises(ModelConfigError, match="mlp_bias"):
+        ModelConfig.from_hf_dict(dict(LLAMA3_HF, mlp_bias=True))
+    with pytest.raises(ModelConfigError, match="missing required field 'vocab_size'"):
+        ModelConfig.from_hf_dict({k: v for k, v in LLAMA3_HF.items() if k != "vocab_size"})
+    with pytest.raises(ModelConfigError, match="multiple of num_key_value_heads"):
+        dataclasses.replace(preset("tiny"), num_key_value_heads=3)
+
+
+def test_flops_per_token_formula():
+    cfg = preset("llama-3.2-1b")
+    # 6 x (matmul params incl. the LM head: all params but the norms) + 6 L T (N H).
+    matmul = cfg.num_params() - cfg.hidden_size * (2 * cfg.num_hidden_layers + 1)
+    assert cfg.flops_per_token(2048) == 6 * matmul + 6 * 16 * 2048 * 2048
+
+
+def test_init_scales_and_zero_proj():
+    cfg = dataclasses.replace(preset("tiny"), num_hidden_layers=8)
+    p = params_of(Llama(cfg, rngs=nnx.Rngs(0)))
+    assert abs(float(jnp.std(p["layers"]["q_proj"])) - 0.02) < 1e-3
+    assert abs(float(jnp.std(p["layers"]["down_proj"])) - 0.02 / 4) < 5e-4  # 1/sqrt(2*8)
+    assert float(jnp.min(p["layers"]["input_layernorm"])) == 1.0
+    z = params_of(Llama(cfg, rngs=nnx.Rngs(0), init_proj_to_zero=True))
+    assert not np.any(z["layers"]["o_proj"]) and not np.any(z["layers"]["down_proj"])
+    assert np.any(z["layers"]["up_proj"])
+
+
+def test_bf16_compute_over_fp32_params_is_close():
+    cfg = preset("tiny")
+    tokens = jax.random.randint(jax.random.key(1), (2, 64), 0, cfg.vocab_size)
+    f32 = Llama(cfg, rngs=nnx.Rngs(0))
+    bf16 = Llama(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    assert params_of(bf16)["layers"]["q_proj"].dtype == jnp.float32
+    assert bf16(tokens).dtype == jnp.bfloat16
+    a, b = f32.logits(tokens), bf16.logits(tokens)
+    assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a)) < 2e-2
+
+
+def test_sliding_window_is_refused_past_its_length():
+    cfg = dataclasses.replace(preset("tiny"), architecture="MistralForCausalLM", sliding_window=16)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    model(jnp.zeros((1, 16), jnp.int32))
+    with pytest.raises(ValueError, match="sliding_window 16"):
+        model(jnp.zeros((1, 17), jnp.int32))
