@@ -1,0 +1,20 @@
+"""Token data: BIN.TOK shards (shards), the Grain input pipeline (pipeline), tokenizing (prepare).
+
+The shard API is numpy-only and imported here eagerly; the pipeline's names load on first use
+(PEP 562) so that `python -m jaxllmq.data.prepare` and its worker processes never import jax or
+grain.
+"""
+
+from jaxllmq.data.shards import Shard, ShardError, ShardWriter, open_shard, write_shard
+
+_PIPELINE_NAMES = ("TokenBatches", "expand_files", "to_global_arrays")
+
+__all__ = ["Shard", "ShardError", "ShardWriter", "open_shard", "write_shard", *_PIPELINE_NAMES]
+
+
+def __getattr__(name: str):
+    if name in _PIPELINE_NAMES:
+        from jaxllmq.data import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,294 @@
+"""Grain input pipeline: BIN.TOK shards -> shuffled (seq_len+1)-token windows -> per-process batches.
+
+Every shard is cut into non-overlapping windows of T+1 tokens (a shard's last partial window is
+not used). Window w gives inputs = w[:-1], targets = w[1:] and loss_mask = mask[1:]: the mask
+applies at the *target* position. Windows are numbered across the files in the order given (each
+glob sorted); the order in which an epoch visits them is a permutation that depends only on
+(seed, epoch): Grain's index shuffle (a 4-round Feistel-style bijection computed per position),
+so nothing of size num_windows is ever materialized.
+
+A step takes the next `grad_accumulation x batch_size` windows of the epoch: micro-batch m, global
+row r is epoch position step_in_epoch x A x B + m x B + r, and process p owns rows
+[p x B_local, (p + 1) x B_local). That is the row block `jax.make_array_from_process_local_data`
+expects from process p when the batch axis is sharded over the mesh's data axes in process
+order. The element Grain reads is one whole step, gathered with one slice copy per row, so the
+per-element Python cost is paid once per row, not per token.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+from collections.abc import Sequence
+
+import grain
+import jax
+import numpy as np
+from absl import flags
+from grain.experimental import index_shuffle
+
+from jaxllmq.data.shards import Shard, ShardError, check_vocab_size, open_shard
+
+# A step is one Grain element: inputs, targets int32[A, B_local, T] and loss_mask bool[A, B_local, T].
+Batch = dict[str, np.ndarray]
+
+
+def expand_files(files: Sequence[str] | str, flag_name: str = "--train_file") -> list[str]:
+    """Expand paths, globs or comma-separated globs into files (each glob sorted, duplicates once)."""
+    patterns = [p.strip() for p in files.split(",")] if isinstance(files, str) else list(files)
+    patterns = [p for p in patterns if p]
+    if not patterns:
+        raise ShardError(f"{flag_name} is empty: give token shard paths or globs")
+    paths: list[str] = []
+    for pattern in patterns:
+        pattern = os.path.expanduser(pattern)
+        if glob.has_magic(pattern):
+            matches = sorted(glob.glob(pattern))
+        else:
+            matches = [pattern] if os.path.exists(pattern) else []
+        if not matches:
+            raise ShardError(f"{flag_name}: no files match {pattern!r}")
+        paths.extend(m for m in matches if m not in paths)
+    return paths
+
+
+class _WindowReader:
+    """Maps window ids to (shard, offset) and copies windows out of the memmaps.
+
+    Pickles as its file list (for Grain worker processes), reopening the shards on arrival.
+    """
+
+    def __init__(self, paths: list[str], window: int):
+        self.paths = paths
+        self.window = window
+        self._open()
+
+    def _open(self) -> None:
+        self.shards: list[Shard] = [open_shard(p) for p in self.paths]
+        counts = [s.num_tokens // self.window for s in self.shards]
+        # first[k] is shard k's first window id; empty shards share their successor's.
+        self.first = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        self.num_windows = int(self.first[-1])
+
+    def __getstate__(self) -> dict:
+        return {"paths": self.paths, "window": self.window}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._open()
+
+    def read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Inputs, targets int32[n, T] and loss mask bool[n, T] of windows `ids`."""
+        n, t = len(ids), self.window - 1
+        inputs = np.empty((n, t), dtype=np.int32)
+        targets = np.empty((n, t), dtype=np.int32)
+        loss_mask = np.ones((n, t), dtype=bool)
+        which = np.searchsorted(self.first, ids, side="right") - 1
+        starts = (ids - self.first[which]) * self.window
+        for row, (k, start) in enumerate(zip(which.tolist(), starts.tolist(), strict=True)):
+            shard = self.shards[k]
+            inputs[row] = shard.tokens[start : start + t]
+            targets[row] = shard.tokens[start + 1 : start + t + 1]
+            if shard.mask_bits is not None:
+                loss_mask[row] = shard.mask(start + 1, start + t + 1)
+        return inputs, targets, loss_mask
+
+
+class _Order:
+    """Epoch position -> window id: Grain's index shuffle seeded by (seed, epoch), or identity."""
+
+    def __init__(self, num_windows: int, seed: int, shuffle: bool):
+        self.num_windows, self.seed, self.shuffle = num_windows, seed, shuffle
+
+    def window_ids(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """Window ids at `positions` of `epoch`'s order."""
+        if not self.shuffle:
+            return positions
+        # Mix (seed, epoch) into one 32-bit seed. (Grain's own shuffle + repeat uses seed + epoch,
+        # which would make seed s's epoch 1 the same order as seed s + 1's epoch 0.)
+        epoch_seed = int(np.random.SeedSequence([self.seed, epoch]).generate_state(1)[0])
+        last = self.num_windows - 1
+        ids = (index_shuffle(p, last, epoch_seed, 4) for p in positions.tolist())
+        return np.fromiter(ids, np.int64, len(positions))
+
+
+class _StepLoader:
+    """Global step -> this process's rows of that step's batch (the function Grain maps)."""
+
+    def __init__(self, reader: _WindowReader, order: _Order, shape: tuple[int, int, int, int]):
+        self.reader, self.order = reader, order
+        self.acc, self.batch_size, self.process_index, self.local_rows = shape
+        self.steps_per_epoch = reader.num_windows // (self.acc * self.batch_size)
+
+    def __call__(self, step: int) -> Batch:
+        epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
+        first_row = self.process_index * self.local_rows
+        positions_AxBl = (
+            step_in_epoch * self.acc * self.batch_size
+            + np.arange(self.acc)[:, None] * self.batch_size
+            + first_row
+            + np.arange(self.local_rows)[None, :]
+        )
+        ids = self.order.window_ids(epoch, positions_AxBl.ravel())
+        inputs, targets, loss_mask = self.reader.read(ids)
+        shape_AxBlxT = (self.acc, self.local_rows, self.reader.window - 1)
+        return {
+            "inputs": inputs.reshape(shape_AxBlxT),
+            "targets": targets.reshape(shape_AxBlxT),
+            "loss_mask": loss_mask.reshape(shape_AxBlxT),
+        }
+
+
+class TokenBatches:
+    """Iterator over training steps: this process's rows of each global batch, read ahead by Grain.
+
+    Each step is {"inputs", "targets": int32[A, B_local, T], "loss_mask": bool[A, B_local, T]}
+    with A = grad_accumulation, B_local = batch_size // process_count. An epoch is
+    `steps_per_epoch` full steps; the windows left over at an epoch's end (fewer than one step)
+    are dropped, and the next epoch is a new permutation of all windows. With repeat=False
+    (eval) iteration stops after one epoch; `reset()` rewinds to the same first batch.
+    Prefetch: `prefetch` steps are read ahead by `num_threads` threads, in each of `num_workers`
+    Grain worker processes if that is > 0 (else in this process).
+    """
+
+    def __init__(
+        self,
+        files: Sequence[str] | str,
+        *,
+        seq_len: int,
+        batch_size: int,
+        grad_accumulation: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        process_index: int | None = None,
+        process_count: int | None = None,
+        repeat: bool = True,
+        prefetch: int = 8,
+        num_threads: int = 1,
+        num_workers: int = 0,
+        flag_name: str = "--train_file",
+    ):
+        for name, value in [("seq_len", seq_len), ("batch_size", batch_size)]:
+            if value < 1:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if grad_accumulation < 1:
+            raise ValueError(f"grad_accumulation must be positive, got {grad_accumulation}")
+        if not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be a non-negative integer, got {seed}")
+        if prefetch < 0 or num_threads < 0 or num_workers < 0:
+            raise ValueError("prefetch, num_threads and num_workers must be >= 0")
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+        if batch_size % process_count:
+            raise ValueError(
+                f"global batch size {batch_size} (--batch_size x data-parallel devices) must be "
+                f"divisible by the number of processes, {process_count}"
+            )
+        self.files = expand_files(files, flag_name)
+        self.seq_len, self.batch_size, self.grad_accumulation = (
+            seq_len,
+            batch_size,
+            grad_accumulation,
+        )
+        self.seed, self.shuffle, self.repeat = seed, shuffle, repeat
+        self.process_index, self.process_count = process_index, process_count
+        self.prefetch, self.num_threads, self.num_workers = prefetch, num_threads, num_workers
+        reader = _WindowReader(self.files, seq_len + 1)
+        self.num_windows = reader.num_windows
+        rows_per_step = grad_accumulation * batch_size
+        self.steps_per_epoch = self.num_windows // rows_per_step
+        if self.steps_per_epoch == 0:
+            raise ShardError(
+                f"{flag_name}: {len(self.files)} file(s) ({', '.join(self.files[:3])}"
+                f"{', ...' if len(self.files) > 3 else ''}) hold {self.num_windows} windows of "
+                f"--seq_len+1={seq_len + 1} tokens, fewer than one step needs "
+                f"(grad_accumulation {grad_accumulation} x global batch {batch_size} = "
+                f"{rows_per_step}); give more data or lower --batch_size / --seq_len"
+            )
+        shape = (grad_accumulation, batch_size, process_index, batch_size // process_count)
+        self._loader = _StepLoader(reader, _Order(self.num_windows, seed, shuffle), shape)
+        self._step = 0  # global step of the next batch
+        self._iter: grain.DatasetIterator | None = None
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next batch."""
+        return self._step // self.steps_per_epoch
+
+    @property
+    def vocab_size(self) -> int:
+        """Largest vocab size over the shards' headers."""
+        return max(shard.vocab_size for shard in self._loader.reader.shards)
+
+    def check_vocab_size(self, model_vocab_size: int) -> None:
+        """Raise ShardError naming the shard if the data's vocab exceeds the model's."""
+        check_vocab_size(self._loader.reader.shards, model_vocab_size)
+
+    def _dataset(self, start: int) -> grain.IterDataset:
+        stop = sys.maxsize if self.repeat else self.steps_per_epoch
+        options = grain.ReadOptions(
+            num_threads=self.num_threads, prefetch_buffer_size=self.prefetch
+        )
+        ds = grain.MapDataset.range(start, max(start, stop)).map(self._loader)
+        ds = ds.to_iter_dataset(options)
+        if self.num_workers:
+            if not flags.FLAGS.is_parsed():
+                # Grain's worker processes read its absl flags; outside absl.app (tests,
+                # notebooks) take their defaults rather than fail.
+                flags.FLAGS.mark_as_parsed()
+            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.num_workers))
+        return ds
+
+    def __iter__(self) -> TokenBatches:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._iter is None:
+            self._iter = iter(self._dataset(self._step))
+        batch = next(self._iter)
+        self._step += 1
+        return batch
+
+    def get_state(self) -> dict:
+        """The position of the next batch, plus what it is only valid for (JSON-serializable)."""
+        return {
+            "step": self._step,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_windows": self.num_windows,
+            "seq_len": self.seq_len,
+            "rows_per_step": self.grad_accumulation * self.batch_size,
+        }
+
+    def set_state(self, state: dict) -> None:
+        """Resume at a position from get_state(): the next batches are the ones it would give."""
+        mine = self.get_state()
+        changed = [k for k in mine if k != "step" and state.get(k) != mine[k]]
+        if changed:
+            diff = ", ".join(f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in changed)
+            raise ValueError(
+                f"the saved data position does not fit this data pipeline ({diff}); resume "
+                f"with the same data, seed, --seq_len and batch, or start the data over "
+                f"(--new_data)"
+            )
+        self.close()
+        self._step = int(state["step"])
+
+    def reset(self) -> None:
+        """Rewind to the first batch (eval passes all start here)."""
+        self.close()
+        self._step = 0
+
+    def close(self) -> None:
+        """Stop the read-ahead threads or worker processes."""
+        if self._iter is not None:
+            self._iter.close()
+            self._iter = None
+
+
+def to_global_arrays(batch: Batch, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
+    """Assemble each process's rows into global arrays; `sharding` splits axis 1 (batch)."""
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
