@@ -1,1 +1,28 @@
-"""Fused kernels for the hot paths, each beside a pure-JAX reference that referees it."""
+"""Fused kernels for the hot paths, each beside a pure-JAX reference that referees it.
+
+The model calls `rms_norm`, `add_rms_norm` and `lm_head_loss` with an `impl` chosen once by
+`resolve_impl` from the trainer's `--kernels=auto|pallas|xla`.
+"""
+
+import jax
+
+KERNELS = ("rms_norm", "lm_head_loss")
+
+# What `auto` picks on GPU, per kernel, from the H200 measurements in docs/PERFORMANCE.md
+# (benchmarks/kernels.py). Pallas only where it measured faster than XLA.
+AUTO_GPU = {"rms_norm": "xla", "lm_head_loss": "xla"}
+
+
+def resolve_impl(kernels: str, kernel: str, *, platform: str | None = None) -> str:
+    """Implementation ("pallas" or "xla") of `kernel` for the `--kernels` setting.
+
+    auto: XLA on CPU (Pallas there only interprets), on GPU whichever measured faster (AUTO_GPU).
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"resolve_impl: unknown kernel {kernel!r} (expected one of {KERNELS})")
+    if kernels in ("pallas", "xla"):
+        return kernels
+    if kernels != "auto":
+        raise ValueError(f"--kernels must be auto, pallas or xla, got {kernels!r}")
+    platform = platform or jax.default_backend()
+    return AUTO_GPU[kernel] if platform in ("gpu", "cuda") else "xla"
