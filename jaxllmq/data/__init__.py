@@ -5,11 +5,28 @@ The shard API is numpy-only and imported here eagerly; the pipeline's names load
 grain.
 """
 
-from jaxllmq.data.shards import Shard, ShardError, ShardWriter, open_shard, write_shard
+from jaxllmq.data.shards import (
+    Shard,
+    ShardError,
+    ShardWriter,
+    check_vocab_size,
+    expand_files,
+    open_shard,
+    write_shard,
+)
 
-_PIPELINE_NAMES = ("TokenBatches", "expand_files", "to_global_arrays")
+_PIPELINE_NAMES = ("TokenBatches", "to_global_arrays")
 
-__all__ = ["Shard", "ShardError", "ShardWriter", "open_shard", "write_shard", *_PIPELINE_NAMES]
+__all__ = [
+    "Shard",
+    "ShardError",
+    "ShardWriter",
+    "check_vocab_size",
+    "expand_files",
+    "open_shard",
+    "write_shard",
+    *_PIPELINE_NAMES,
+]
 
 
 def __getattr__(name: str):

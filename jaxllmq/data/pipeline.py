@@ -17,8 +17,6 @@ per-element Python cost is paid once per row, not per token.
 
 from __future__ import annotations
 
-import glob
-import os
 import sys
 from collections.abc import Sequence
 
@@ -28,29 +26,10 @@ import numpy as np
 from absl import flags
 from grain.experimental import index_shuffle
 
-from jaxllmq.data.shards import Shard, ShardError, check_vocab_size, open_shard
+from jaxllmq.data.shards import Shard, ShardError, check_vocab_size, expand_files, open_shard
 
 # A step is one Grain element: inputs, targets int32[A, B_local, T] and loss_mask bool[A, B_local, T].
 Batch = dict[str, np.ndarray]
-
-
-def expand_files(files: Sequence[str] | str, flag_name: str = "--train_file") -> list[str]:
-    """Expand paths, globs or comma-separated globs into files (each glob sorted, duplicates once)."""
-    patterns = [p.strip() for p in files.split(",")] if isinstance(files, str) else list(files)
-    patterns = [p for p in patterns if p]
-    if not patterns:
-        raise ShardError(f"{flag_name} is empty: give token shard paths or globs")
-    paths: list[str] = []
-    for pattern in patterns:
-        pattern = os.path.expanduser(pattern)
-        if glob.has_magic(pattern):
-            matches = sorted(glob.glob(pattern))
-        else:
-            matches = [pattern] if os.path.exists(pattern) else []
-        if not matches:
-            raise ShardError(f"{flag_name}: no files match {pattern!r}")
-        paths.extend(m for m in matches if m not in paths)
-    return paths
 
 
 class _WindowReader:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import os
 from collections.abc import Sequence
 
@@ -139,6 +140,25 @@ def open_shard(path: str | os.PathLike) -> Shard:
             shape=((num_tokens + 7) // 8,),
         )
     return Shard(path, version, num_tokens, vocab_size, bool(has_mask), tokens, bits)
+
+
+def expand_files(files: Sequence[str] | str, flag_name: str = "--train_file") -> list[str]:
+    """Paths, globs or comma-separated globs -> files (each glob sorted, each file once)."""
+    items = [files] if isinstance(files, str) else files
+    patterns = [p.strip() for item in items for p in item.split(",") if p.strip()]
+    if not patterns:
+        raise ShardError(f"{flag_name} is empty: give file paths or globs")
+    paths: dict[str, None] = {}  # ordered set
+    for pattern in patterns:
+        pattern = os.path.expanduser(pattern)
+        if glob.has_magic(pattern):
+            matches = sorted(glob.glob(pattern, recursive=True))
+        else:
+            matches = [pattern] if os.path.exists(pattern) else []
+        if not matches:
+            raise ShardError(f"{flag_name}: no files match {pattern!r}")
+        paths.update(dict.fromkeys(matches))
+    return list(paths)
 
 
 def check_vocab_size(shards: Sequence[Shard], model_vocab_size: int) -> None:

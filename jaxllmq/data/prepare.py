@@ -1,0 +1,482 @@
+"""Tokenize text into BIN.TOK shards: `python -m jaxllmq.data.prepare --help`.
+
+    python -m jaxllmq.data.prepare --input='corpus/*.jsonl' --tokenizer=path/to/model \\
+        --out_dir=data/mine
+    python -m jaxllmq.data.prepare --quickstart --out_dir=data/quickstart
+
+Writes train-NNN.bin shards and eval.bin into --out_dir, plus a copy of the tokenizer files (the
+trainer copies them into exported models). Each document is tokenized and EOS is appended. A
+{"prompt": ..., "response": ...} record becomes prompt + response + EOS, masked so that only the
+response and its EOS are trained on. Worker processes tokenize chunks of documents and the
+results are written in input order, so the output depends only on the inputs and the flags.
+
+--quickstart needs no data and no network: its corpus is this Python's own standard library
+sources, and it trains a byte-level BPE tokenizer on them in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import multiprocessing
+import os
+import pathlib
+import shutil
+import sys
+import sysconfig
+import time
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from jaxllmq.data.shards import ShardError, ShardWriter, expand_files
+
+SUFFIXES = (".txt", ".jsonl", ".parquet")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "chat_template.jinja")  # fmt: skip
+QUICKSTART_EOS = "<|endoftext|>"
+CHUNK_CHARS = 1 << 20  # text per worker task: big enough to amortize the hand-off
+
+Document = str | tuple[str, str]  # text, or (prompt, response)
+
+
+class PrepareError(ValueError):
+    """Bad inputs or flags; the message names the file or flag and what to do."""
+
+
+# Flag table: (name, argparse keywords). Each is accepted as --name and, llmq-style, --name-dashed.
+FLAGS = [
+    ("input", dict(action="append", default=[], help="input files: paths or globs, comma-"
+     "separated or the flag repeated; .txt, .jsonl, .parquet (globs sorted; order is kept)")),
+    ("tokenizer", dict(help="a Hugging Face tokenizer.json, or a model directory holding one")),
+    ("out_dir", dict(required=True, help="where train-NNN.bin, eval.bin and tokenizer files go")),
+    ("text_field", dict(default="text", help=".jsonl field / .parquet column holding the text")),
+    ("prompt_field", dict(default="prompt", help="records with this and --response_field are "
+     "prompt/response pairs: only the response (and its EOS) is trained on")),
+    ("response_field", dict(default="response", help="see --prompt_field")),
+    ("txt_documents", dict(choices=["file", "paragraph", "line"], default="file", help="one .txt "
+     "document is: the whole file, each blank-line-separated paragraph, or each non-empty line")),
+    ("eos_token", dict(help="token appended to every document; default: eos_token in "
+     "tokenizer_config.json, else eos_token_id in config.json, beside the tokenizer")),
+    ("add_special_tokens", dict(action=argparse.BooleanOptionalAction, default=True,
+     help="apply the tokenizer's post-processor to each document (e.g. Llama 3's BOS)")),
+    ("shard_tokens", dict(type=int, help="tokens per train shard (default 100M; 4M quickstart)")),
+    ("eval_fraction", dict(type=float, default=0.01, help="share of tokens held out in eval.bin, "
+     "as whole documents spread over the corpus (0: no eval.bin)")),
+    ("eval_tokens", dict(type=int, default=0, help="if > 0, eval.bin takes the first documents "
+     "until it has this many tokens instead (overrides --eval_fraction)")),
+    ("workers", dict(type=int, default=os.cpu_count() or 1, help="tokenizer processes")),
+    ("overwrite", dict(action="store_true", help="replace train-*.bin, eval.bin in --out_dir")),
+    ("quickstart", dict(action="store_true", help="no --input/--tokenizer: tokenize this Python's "
+     "standard library with a BPE tokenizer trained on it (replaces an earlier quickstart)")),
+    ("quickstart_mb", dict(type=float, default=32.0, help="quickstart corpus cap, MB of text")),
+    ("vocab_size", dict(type=int, default=4096, help="quickstart tokenizer vocab, EOS included")),
+]  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check prepare's command line (argparse exits 2 with usage on bad flags)."""
+    p = argparse.ArgumentParser(prog="python -m jaxllmq.data.prepare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    for name, kw in FLAGS:
+        spellings = dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"])
+        p.add_argument(*spellings, dest=name, **kw)
+    args = p.parse_args(argv)
+    if args.quickstart and (args.input or args.tokenizer):
+        p.error("--quickstart makes its own corpus and tokenizer: drop --input and --tokenizer")
+    if not args.quickstart and not (args.input and args.tokenizer):
+        p.error("give --input and --tokenizer, or --quickstart")
+    if args.shard_tokens is None:
+        args.shard_tokens = 4_000_000 if args.quickstart else 100_000_000
+    if min(args.shard_tokens, args.workers, args.vocab_size) < 1 or args.eval_tokens < 0:
+        p.error("--shard_tokens, --workers, --vocab_size must be positive; --eval_tokens >= 0")
+    if not 0 <= args.eval_fraction < 1:
+        p.error(f"--eval_fraction must be in [0, 1), got {args.eval_fraction}")
+    return args
+
+
+def expand_inputs(patterns: list[str]) -> list[str]:
+    """Files named by --input (paths or globs, comma-separated or repeated), in order."""
+    paths = expand_files(patterns, "--input")
+    for path in paths:
+        if not path.endswith(SUFFIXES):
+            raise PrepareError(f"--input: {path!r} is not one of {', '.join(SUFFIXES)}")
+    return paths
+
+
+def _document(record: dict, where: str, fields: tuple[str, str, str]) -> Document | None:
+    text, prompt, response = fields
+    if prompt in record and response in record:
+        doc = (record[prompt], record[response])
+    elif text in record:
+        doc = record[text]
+    else:
+        raise PrepareError(
+            f"{where}: record has neither a {text!r} field nor {prompt!r} + {response!r} "
+            f"(it has {sorted(record)[:8]}); set --text_field or --prompt_field/--response_field"
+        )
+    if not all(isinstance(s, str) for s in (doc if isinstance(doc, tuple) else [doc])):
+        raise PrepareError(f"{where}: text fields must be strings")
+    return doc if doc else None  # an empty text is skipped: it would be a lone EOS
+
+
+def read_documents(paths: list[str], fields: tuple[str, str, str], txt: str) -> Iterator[Document]:
+    """Documents of .txt (per --txt_documents), .jsonl and .parquet files, in order."""
+    for path in paths:
+        if path.endswith(".txt"):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+            parts = {"file": [text], "paragraph": text.split("\n\n"), "line": text.splitlines()}
+            yield from (part for part in parts[txt] if part.strip())
+        elif path.endswith(".jsonl"):
+            with open(path, encoding="utf-8") as f:
+                for number, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            record = json.loads(line)
+                        except json.JSONDecodeError as e:
+                            raise PrepareError(f"{path}:{number}: not JSON ({e})") from e
+                        if (doc := _document(record, f"{path}:{number}", fields)) is not None:
+                            yield doc
+        else:
+            yield from _parquet_documents(path, fields)
+
+
+def _parquet_documents(path: str, fields: tuple[str, str, str]) -> Iterator[Document]:
+    import pyarrow.parquet as pq  # only parquet inputs need pyarrow
+
+    file = pq.ParquetFile(path)
+    names = set(file.schema_arrow.names)
+    text, prompt, response = fields
+    columns = [prompt, response] if {prompt, response} <= names else [text]
+    if not set(columns) <= names:
+        raise PrepareError(f"{path}: no column {text!r} (it has {sorted(names)}); set --text_field")
+    row = 0
+    for batch in file.iter_batches(columns=columns):
+        for record in batch.to_pylist():
+            if (doc := _document(record, f"{path} row {row}", fields)) is not None:
+                yield doc
+            row += 1
+
+
+def find_tokenizer(path: str) -> tuple[str, str]:
+    """(tokenizer.json, the directory with its config files) for a file or model directory."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise PrepareError(
+                f"--tokenizer: no tokenizer.json in {os.path.dirname(path)!r}; only Hugging Face "
+                f"fast tokenizers (tokenizer.json) are supported"
+            )
+    elif not os.path.isfile(path):
+        raise PrepareError(f"--tokenizer: {path!r} does not exist")
+    return path, os.path.dirname(os.path.abspath(path))
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def resolve_eos(tokenizer: Tokenizer, config_dir: str, eos_token: str | None) -> int:
+    """EOS id from --eos_token, else tokenizer_config.json's eos_token, else config.json's."""
+    source = "--eos_token"
+    if eos_token is None:
+        eos_token = _read_json(os.path.join(config_dir, "tokenizer_config.json")).get("eos_token")
+        if isinstance(eos_token, dict):  # older configs: {"content": "</s>", ...}
+            eos_token = eos_token.get("content")
+        source = f"eos_token in {config_dir}/tokenizer_config.json"
+    if eos_token is None:
+        eos_id = _read_json(os.path.join(config_dir, "config.json")).get("eos_token_id")
+        eos_id = eos_id[0] if isinstance(eos_id, list) and eos_id else eos_id
+        if not isinstance(eos_id, int):
+            raise PrepareError(
+                f"no EOS token known for the tokenizer in {config_dir!r}: neither "
+                f"tokenizer_config.json (eos_token) nor config.json (eos_token_id) names one; "
+                f"pass --eos_token"
+            )
+        return eos_id
+    eos_id = tokenizer.token_to_id(eos_token)
+    if eos_id is None:
+        raise PrepareError(f"EOS token {eos_token!r} ({source}) is not in the tokenizer's vocab")
+    return eos_id
+
+
+_worker: dict = {}
+
+
+def _init_worker(tokenizer_json: str, eos_id: int, add_special_tokens: bool, pool: bool) -> None:
+    if pool:  # one process per core: the tokenizer's own threads would only oversubscribe
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker.update(tok=Tokenizer.from_str(tokenizer_json), eos=eos_id, special=add_special_tokens)
+
+
+def _encode_chunk(docs: list[Document]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Tokens of all docs (EOS appended), each doc's length, and a mask if any doc is a pair."""
+    tok, eos, special = _worker["tok"], _worker["eos"], _worker["special"]
+    pairs = [d for d in docs if isinstance(d, tuple)]
+    texts = tok.encode_batch([d for d in docs if isinstance(d, str)], add_special_tokens=special)
+    prompts = tok.encode_batch([p for p, _ in pairs], add_special_tokens=special)
+    replies = tok.encode_batch([r for _, r in pairs], add_special_tokens=False)
+    texts, prompts, replies = iter(texts), iter(prompts), iter(replies)
+    parts, masks = [], []
+    for doc in docs:
+        if isinstance(doc, str):
+            ids, trained = next(texts).ids, 0
+        else:
+            prompt = next(prompts).ids
+            ids, trained = prompt + next(replies).ids, len(prompt)
+        if not ids or ids[-1] != eos:  # a post-processor may have appended EOS already
+            ids = ids + [eos]
+        parts.append(np.asarray(ids, dtype=np.int32))
+        masks.append(np.arange(len(ids)) >= trained)
+    lengths = np.array([len(p) for p in parts], dtype=np.int64)
+    return np.concatenate(parts), lengths, np.concatenate(masks) if pairs else None
+
+
+def _chunks(docs: Iterable[Document]) -> Iterator[list[Document]]:
+    chunk, chars = [], 0
+    for doc in docs:
+        chunk.append(doc)
+        chars += len(doc) if isinstance(doc, str) else len(doc[0]) + len(doc[1])
+        if chars >= CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def encode_in_order(docs: Iterable[Document], tokenizer_json: str, eos_id: int,
+                    add_special_tokens: bool, workers: int) -> Iterator[tuple]:  # fmt: skip
+    """Tokenize chunks of documents on `workers` processes; yields results in input order."""
+    init = (tokenizer_json, eos_id, add_special_tokens, workers > 1)
+    if workers == 1:  # in this process (the tokenizer still uses its threads)
+        _init_worker(*init)
+        yield from map(_encode_chunk, _chunks(docs))
+        return
+    # spawn: the parent may hold tokenizer threads (quickstart training), which fork would copy.
+    with multiprocessing.get_context("spawn").Pool(workers, _init_worker, init) as pool:
+        pending: collections.deque = collections.deque()
+        for chunk in _chunks(docs):  # a bounded queue, unlike Pool.imap: memory stays flat
+            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+class Split:
+    """Routes whole documents to eval.bin or to train shards of `shard_tokens` tokens each."""
+
+    def __init__(self, out_dir: str, vocab_size: int, shard_tokens: int, eval_fraction: float,
+                 eval_tokens: int):  # fmt: skip
+        self.out_dir, self.vocab_size, self.shard_tokens = out_dir, vocab_size, shard_tokens
+        self.eval_fraction, self.eval_tokens = eval_fraction, eval_tokens
+        self.documents = self.eval_documents = self.tokens = self.eval_written = 0
+        self.masked_out = self.shards_written = 0
+        self.train: ShardWriter | None = None
+        self.eval: ShardWriter | None = None
+
+    def _to_eval(self) -> bool:
+        if self.eval_tokens:
+            return self.eval_written < self.eval_tokens
+        # Greedy: a document is held out while eval is below its share of the tokens so far.
+        return self.eval_written < self.eval_fraction * self.tokens
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None) -> None:
+        """Write a chunk of documents (concatenated tokens, their lengths, optional mask)."""
+        mask = np.ones(len(tokens), dtype=bool) if mask is None else mask
+        self.masked_out += int((~mask).sum())
+        to_eval = np.zeros(len(lengths), dtype=bool)
+        for i, n in enumerate(lengths.tolist()):
+            self.tokens += n
+            if self._to_eval():
+                to_eval[i] = True
+                self.eval_written += n
+        self.documents += len(lengths)
+        self.eval_documents += int(to_eval.sum())
+        # Append runs of documents bound for the same file at once, not one by one.
+        ends = np.cumsum(lengths)
+        for run in np.split(np.arange(len(lengths)), np.flatnonzero(np.diff(to_eval)) + 1):
+            start, end = ends[run[0]] - lengths[run[0]], ends[run[-1]]
+            if not to_eval[run[0]]:
+                self._add_train(tokens[start:end], mask[start:end])
+                continue
+            if self.eval is None:
+                path = os.path.join(self.out_dir, "eval.bin")
+                self.eval = ShardWriter(path, vocab_size=self.vocab_size)
+            self.eval.append(tokens[start:end], mask[start:end])
+
+    def _add_train(self, tokens: np.ndarray, mask: np.ndarray) -> None:
+        while len(tokens):  # a document may straddle shards: windows ignore document bounds
+            if self.train is None:
+                name = f"train-{self.shards_written:03d}.bin"
+                self.train = ShardWriter(
+                    os.path.join(self.out_dir, name), vocab_size=self.vocab_size
+                )
+            room = self.shard_tokens - self.train.num_tokens
+            self.train.append(tokens[:room], mask[:room])
+            tokens, mask = tokens[room:], mask[room:]
+            if self.train.num_tokens == self.shard_tokens:
+                self._close_train()
+
+    def _close_train(self) -> None:
+        self.train.close()
+        self.train = None
+        self.shards_written += 1
+
+    def __enter__(self) -> Split:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for writer in (self.train, self.eval):
+            if writer is not None:
+                writer.__exit__(exc_type, exc, tb)  # on error: removes the partial file
+        if exc_type is None and self.train is not None:
+            self.train = None
+            self.shards_written += 1
+        if exc_type is None and self.shards_written == 0:
+            raise PrepareError(
+                f"no train tokens: all {self.tokens} tokens ({self.documents} documents) went "
+                f"to eval.bin; lower --eval_fraction / --eval_tokens or add input"
+            )
+
+
+class Progress:
+    """A one-line progress report on stderr (rewritten in place on a terminal)."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def update(self, documents: int, tokens: int, final: bool = False) -> float:
+        """Report if a while has passed since the last report (always when final); -> tokens/s."""
+        now = time.perf_counter()
+        rate = tokens / max(now - self.start, 1e-9)
+        if final or now - self.last >= (0.5 if self.tty else 10):
+            self.last = now
+            line = f"{documents:,} documents, {tokens:,} tokens, {rate:,.0f} tokens/s"
+            end = "\n" if final or not self.tty else ""
+            print(("\r" if self.tty else "") + line, end=end, file=sys.stderr, flush=True)
+        return rate
+
+
+def stdlib_sources(max_chars: int) -> list[str]:
+    """This Python's standard library .py sources, sorted by path, up to `max_chars` of text."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    texts, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if {"site-packages", "dist-packages"} & set(path.relative_to(root).parts):
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if total + len(text) > max_chars:
+            break
+        texts.append(text)
+        total += len(text)
+    return texts
+
+
+def train_quickstart_tokenizer(texts: list[str], vocab_size: int, out_dir: str) -> Tokenizer:
+    """Train a byte-level BPE tokenizer (EOS <|endoftext|> = id 0) and save it in out_dir."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[QUICKSTART_EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": QUICKSTART_EOS,
+              "clean_up_tokenization_spaces": False}  # fmt: skip
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return tokenizer
+
+
+def _prepare_out_dir(out_dir: str, overwrite: bool) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    old = sorted(glob.glob(os.path.join(out_dir, "train-*.bin")))
+    old += glob.glob(os.path.join(out_dir, "eval.bin"))
+    if old and not overwrite:
+        raise PrepareError(
+            f"--out_dir {out_dir!r} already holds {len(old)} shard(s) ({old[0]}, ...): pass "
+            f"--overwrite to replace them, or choose another --out_dir"
+        )
+    for path in old:
+        os.remove(path)
+
+
+def copy_tokenizer_files(tokenizer_json: str, config_dir: str, out_dir: str) -> None:
+    """Copy tokenizer.json and the tokenizer files beside it into out_dir."""
+    sources = [tokenizer_json] + [os.path.join(config_dir, n) for n in TOKENIZER_FILES[1:]]
+    for source, name in zip(sources, TOKENIZER_FILES, strict=True):
+        target = os.path.join(out_dir, name)
+        if os.path.isfile(source) and not (
+            os.path.exists(target) and os.path.samefile(source, target)
+        ):
+            shutil.copyfile(source, target)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Tokenize per `args` into args.out_dir; returns the summary it prints."""
+    start = time.perf_counter()
+    _prepare_out_dir(args.out_dir, args.overwrite or args.quickstart)
+    if args.quickstart:
+        texts = stdlib_sources(int(args.quickstart_mb * 1e6))
+        print(f"quickstart: {len(texts)} standard library files, "
+              f"{sum(map(len, texts)) / 1e6:.1f}M characters; training the tokenizer")  # fmt: skip
+        tokenizer = train_quickstart_tokenizer(texts, args.vocab_size, args.out_dir)
+        config_dir, docs = args.out_dir, iter(texts)
+    else:
+        paths = expand_inputs(args.input)
+        tokenizer_json, config_dir = find_tokenizer(args.tokenizer)
+        tokenizer = Tokenizer.from_file(tokenizer_json)
+        fields = (args.text_field, args.prompt_field, args.response_field)
+        docs = read_documents(paths, fields, args.txt_documents)
+    eos_id = resolve_eos(tokenizer, config_dir, args.eos_token)
+    if not args.quickstart:
+        copy_tokenizer_files(tokenizer_json, config_dir, args.out_dir)
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    progress = Progress()  # its clock times tokenizing alone: the throughput figure
+    with Split(args.out_dir, vocab_size, args.shard_tokens, args.eval_fraction,
+               args.eval_tokens) as split:  # fmt: skip
+        for tokens, lengths, mask in encode_in_order(
+            docs, tokenizer.to_str(), eos_id, args.add_special_tokens, args.workers
+        ):
+            split.add(tokens, lengths, mask)
+            progress.update(split.documents, split.tokens)
+    rate = progress.update(split.documents, split.tokens, final=True)
+    train_tokens = split.tokens - split.eval_written
+    print(
+        f"wrote {split.shards_written} train shard(s) ({train_tokens:,} tokens, "
+        f"{split.documents - split.eval_documents:,} documents) and "
+        + (f"eval.bin ({split.eval_written:,} tokens, {split.eval_documents:,} documents)"
+           if split.eval_written else "no eval.bin")
+        + f" to {args.out_dir}; vocab {vocab_size}, EOS id {eos_id}, {split.masked_out:,} prompt "
+        f"tokens masked out; {time.perf_counter() - start:.1f} s, tokenizing {rate:,.0f} tokens/s"
+    )  # fmt: skip
+    return {"train_tokens": train_tokens, "eval_tokens": split.eval_written,
+            "shards": split.shards_written, "vocab_size": vocab_size, "eos_id": eos_id,
+            "tokens_per_s": rate}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point; errors print one line and exit 1."""
+    args = parse_args(argv)
+    try:
+        run(args)
+    except (PrepareError, ShardError) as e:
+        sys.exit(f"prepare: error: {e}")
+
+
+if __name__ == "__main__":
+    main()
