@@ -1,0 +1,254 @@
+"""Flags -> one frozen TrainConfig. Only main.py reads absl's FLAGS; everything below takes this."""
+
+import dataclasses
+import os
+import re
+from collections.abc import Sequence
+
+from absl import flags
+
+from jaxllmq.model.config import PRESETS
+from jaxllmq.optim import OptimConfig
+
+DTYPES = ("float32", "bfloat16")
+SCHEDULES = ("cosine", "linear", "wsd")
+
+# ---- flag definitions (llmq's names and meanings, absl spelling; the dashed one works too) ----
+
+_model = flags.DEFINE_string(
+    "model",
+    None,
+    "Hugging Face model directory (config.json + safetensors), or with --from_scratch a preset: "
+    + ", ".join(PRESETS),
+)
+_from_scratch = flags.DEFINE_bool(
+    "from_scratch", False, "Random init from --model's config (a preset or an HF directory)."
+)
+_model_dtype = flags.DEFINE_enum(
+    "model_dtype", "float32", DTYPES, "dtype of the master weights (what the optimizer updates)."
+)
+_matmul_dtype = flags.DEFINE_enum(
+    "matmul_dtype", "bfloat16", DTYPES, "dtype of activations and matmuls (fp32 accumulation)."
+)
+_init_proj_to_zero = flags.DEFINE_bool(
+    "init_proj_to_zero",
+    False,
+    "From scratch: zero-init o_proj and down_proj (blocks start as identity).",
+)
+_scan_layers = flags.DEFINE_bool(
+    "scan_layers", True, "Scan over stacked layers (flat compile time) instead of unrolling them."
+)
+_attention = flags.DEFINE_enum(
+    "attention", "auto", ("auto", "xla", "cudnn"), "Attention kernel; auto = cuDNN on GPU in bf16."
+)
+_batch_size = flags.DEFINE_integer(
+    "batch_size", 4, "Micro-batch size per device (rows of --seq_len tokens).", lower_bound=1
+)
+_seq_len = flags.DEFINE_integer("seq_len", 1024, "Tokens per row.", lower_bound=1)
+_grad_accumulation = flags.DEFINE_integer(
+    "grad_accumulation", 1, "Micro-batches per optimizer step.", lower_bound=1
+)
+_steps = flags.DEFINE_integer(
+    "steps", None, "Optimizer steps to train (or use --epochs).", lower_bound=1
+)
+_epochs = flags.DEFINE_integer(
+    "epochs",
+    None,
+    "Passes over --train_file (or use --steps); partial batches dropped.",
+    lower_bound=1,
+)
+_lr = flags.DEFINE_float("lr", 3e-4, "Peak learning rate.", lower_bound=0.0)
+_warmup = flags.DEFINE_integer("warmup", 0, "Linear warmup steps.", lower_bound=0)
+_cooldown = flags.DEFINE_integer(
+    "cooldown", 0, "1-sqrt anneal over the last N steps.", lower_bound=0
+)
+_final_lr_fraction = flags.DEFINE_float(
+    "final_lr_fraction", 0.0, "Final lr as a fraction of --lr.", lower_bound=0.0, upper_bound=1.0
+)
+_lr_schedule = flags.DEFINE_enum(
+    "lr_schedule", "cosine", SCHEDULES, "Decay after warmup: cosine, linear, or wsd (constant)."
+)
+_beta_1 = flags.DEFINE_float("beta_1", 0.9, "AdamW beta1.", lower_bound=0.0, upper_bound=1.0)
+_beta_2 = flags.DEFINE_float("beta_2", 0.95, "AdamW beta2.", lower_bound=0.0, upper_bound=1.0)
+_adam_epsilon = flags.DEFINE_float("adam_epsilon", 1e-8, "AdamW epsilon.", lower_bound=0.0)
+_weight_decay = flags.DEFINE_float(
+    "weight_decay", 0.1, "Decoupled weight decay, on matrices only.", lower_bound=0.0
+)
+_grad_clip = flags.DEFINE_float(
+    "grad_clip", 1.0, "Clip the global gradient norm to this (0 = off).", lower_bound=0.0
+)
+_z_loss = flags.DEFINE_float("z_loss", 0.0, "z-loss weight on logsumexp^2.", lower_bound=0.0)
+_opt_m_dtype = flags.DEFINE_enum("opt_m_dtype", "float32", DTYPES, "AdamW first-moment dtype.")
+_opt_v_dtype = flags.DEFINE_enum("opt_v_dtype", "float32", DTYPES, "AdamW second-moment dtype.")
+_max_nonfinite = flags.DEFINE_integer(
+    "max_nonfinite", 5, "Stop after this many consecutive non-finite-gradient steps.", lower_bound=1
+)
+_train_file = flags.DEFINE_string(
+    "train_file", None, "Token shards (BIN.TOK) to train on: glob(s), comma-separated."
+)
+_eval_file = flags.DEFINE_string(
+    "eval_file", None, "Token shards to evaluate on: glob(s), comma-separated."
+)
+_train_seed = flags.DEFINE_integer("train_seed", 42, "Seed for init and the training data order.")
+_eval_seed = flags.DEFINE_integer("eval_seed", 0, "Seed for the evaluation data order.")
+_eval_every_n_steps = flags.DEFINE_integer(
+    "eval_every_n_steps", 100, "Evaluate every N steps (0 = only at the end).", lower_bound=0
+)
+_eval_num_steps = flags.DEFINE_integer(
+    "eval_num_steps", 20, "Batches per periodic evaluation (the final one uses all).", lower_bound=1
+)
+_out_dir = flags.DEFINE_string(
+    "out_dir", None, "Where the trained model is exported (HF format); %n = --name."
+)
+_log_file = flags.DEFINE_string("log_file", None, "JSON Lines log (appended); %n = --name.")
+_name = flags.DEFINE_string("name", "run", "Run name, substituted for %n in paths.")
+_gpus = flags.DEFINE_integer("gpus", 0, "Use this many local devices (0 = all).", lower_bound=0)
+
+flags.mark_flags_as_required(["model", "train_file"])
+flags.register_multi_flags_validator(
+    ["steps", "epochs"],
+    lambda d: (d["steps"] is None) != (d["epochs"] is None),
+    message="give exactly one of --steps and --epochs",
+)
+
+
+# ---- the config tree ----
+
+
+class ConfigError(ValueError):
+    """A flag combination that cannot run, with the flag named."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Which model, and how it is stored and computed."""
+
+    model: str
+    from_scratch: bool = False
+    model_dtype: str = "float32"
+    matmul_dtype: str = "bfloat16"
+    init_proj_to_zero: bool = False
+    scan_layers: bool = True
+    attention: str = "auto"
+
+    def __post_init__(self):
+        if self.from_scratch and self.model not in PRESETS and not os.path.isdir(self.model):
+            raise ConfigError(
+                f"--model={self.model}: not a preset ({', '.join(PRESETS)}) nor a directory"
+            )
+        if not self.from_scratch and not os.path.isdir(self.model):
+            hint = " (a preset needs --from_scratch)" if self.model in PRESETS else ""
+            raise ConfigError(f"--model={self.model}: no such Hugging Face model directory{hint}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Token shards, batch geometry and data order."""
+
+    train_files: tuple[str, ...]
+    eval_files: tuple[str, ...] = ()
+    seq_len: int = 1024
+    batch_size: int = 4  # per device
+    grad_accumulation: int = 1
+    train_seed: int = 42
+    eval_seed: int = 0
+
+    def __post_init__(self):
+        if not self.train_files:
+            raise ConfigError("--train_file matches no files")
+        if self.seq_len < 2 or self.batch_size < 1 or self.grad_accumulation < 1:
+            raise ConfigError("--seq_len must be >= 2, --batch_size and --grad_accumulation >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run needs, validated on construction."""
+
+    model: ModelSpec
+    data: DataConfig
+    optim: OptimConfig
+    steps: int | None = None
+    epochs: int | None = None
+    z_loss: float = 0.0
+    eval_every_n_steps: int = 100
+    eval_num_steps: int = 20
+    out_dir: str | None = None
+    log_file: str | None = None
+    name: str = "run"
+    gpus: int = 0
+
+    def __post_init__(self):
+        if (self.steps is None) == (self.epochs is None):
+            raise ConfigError("give exactly one of --steps and --epochs")
+
+
+def substitute_name(path: str | None, name: str) -> str | None:
+    """Replace %n in a path with the run name."""
+    return None if path is None else path.replace("%n", name)
+
+
+def from_flags() -> TrainConfig:
+    """Build the TrainConfig from the parsed absl flags (main.py calls this, once)."""
+    from jaxllmq.data.pipeline import expand_files  # imports jax: not needed for --help
+
+    name = _name.value
+    return TrainConfig(
+        model=ModelSpec(
+            model=_model.value,
+            from_scratch=_from_scratch.value,
+            model_dtype=_model_dtype.value,
+            matmul_dtype=_matmul_dtype.value,
+            init_proj_to_zero=_init_proj_to_zero.value,
+            scan_layers=_scan_layers.value,
+            attention=_attention.value,
+        ),
+        data=DataConfig(
+            train_files=tuple(expand_files(_train_file.value, "--train_file")),
+            eval_files=tuple(expand_files(_eval_file.value, "--eval_file"))
+            if _eval_file.value
+            else (),
+            seq_len=_seq_len.value,
+            batch_size=_batch_size.value,
+            grad_accumulation=_grad_accumulation.value,
+            train_seed=_train_seed.value,
+            eval_seed=_eval_seed.value,
+        ),
+        optim=OptimConfig(
+            lr=_lr.value,
+            warmup=_warmup.value,
+            cooldown=_cooldown.value,
+            final_lr_fraction=_final_lr_fraction.value,
+            lr_schedule=_lr_schedule.value,
+            beta_1=_beta_1.value,
+            beta_2=_beta_2.value,
+            adam_epsilon=_adam_epsilon.value,
+            weight_decay=_weight_decay.value,
+            grad_clip=_grad_clip.value,
+            opt_m_dtype=_opt_m_dtype.value,
+            opt_v_dtype=_opt_v_dtype.value,
+            max_nonfinite=_max_nonfinite.value,
+        ),
+        steps=_steps.value,
+        epochs=_epochs.value,
+        z_loss=_z_loss.value,
+        eval_every_n_steps=_eval_every_n_steps.value,
+        eval_num_steps=_eval_num_steps.value,
+        out_dir=substitute_name(_out_dir.value, name),
+        log_file=substitute_name(_log_file.value, name),
+        name=name,
+        gpus=_gpus.value,
+    )
+
+
+_DASHED = re.compile(r"^--(no)?([a-z0-9]+(?:-[a-z0-9]+)+)(=|$)")
+
+
+def normalize_dashes(argv: Sequence[str]) -> list[str]:
+    """Accept llmq's dashed spellings (--batch-size=8) for our underscore flags (--batch_size=8)."""
+    out = []
+    for arg in argv:
+        m = _DASHED.match(arg)
+        if m and m.group(2).replace("-", "_") in flags.FLAGS:
+            arg = "--" + (m.group(1) or "") + m.group(2).replace("-", "_") + arg[m.end(2) :]
+        out.append(arg)
+    return out

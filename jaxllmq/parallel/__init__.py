@@ -1,0 +1,1 @@
+"""Device meshes and the tables that map logical axes onto them."""

@@ -1,0 +1,327 @@
+"""TrainState, the jitted train and eval steps, and the host loop that drives them."""
+
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxllmq.config import TrainConfig
+from jaxllmq.data.pipeline import TokenBatches, to_global_arrays
+from jaxllmq.kernels.cross_entropy import lm_head_loss
+from jaxllmq.log import RunLog
+from jaxllmq.model import hf
+from jaxllmq.model.config import ModelConfig, preset
+from jaxllmq.model.llama import Llama, abstract_model, params_of
+from jaxllmq.optim import check_nonfinite, lr_schedule, make_optimizer, nonfinite_counts
+from jaxllmq.parallel.mesh import batch_sharding, make_mesh, replicated
+
+# Peak dense bf16 FLOP/s of one H100/H200 (spec), the MFU denominator DESIGN.md fixes.
+GPU_PEAK_FLOPS = 989e12
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything the step updates: a pytree, donated to each step."""
+
+    step: jax.Array
+    params: dict
+    opt_state: Any
+
+
+Batch = dict[str, jax.Array]  # inputs, targets: int32 [acc, B, T]; loss_mask: bool [acc, B, T]
+
+
+def _micro_loss(
+    params: dict, graphdef: nnx.GraphDef, micro: Batch, *, z_loss: float, kernels: str
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Summed objective over one micro-batch's trained tokens, and the loss statistics."""
+    model = nnx.merge(graphdef, params)
+    h_BxTxD = model(micro["inputs"])
+    B, T, D = h_BxTxD.shape
+    return lm_head_loss(
+        h_BxTxD.reshape(B * T, D),
+        model.head_weight(),
+        micro["targets"].reshape(B * T),
+        micro["loss_mask"].reshape(B * T),
+        z_loss=z_loss,
+        impl=kernels,
+    )
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    *,
+    z_loss: float = 0.0,
+    kernels: str = "xla",
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+    """The pure train step: accumulate grads over the micro-batches, normalize, update."""
+    grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
+
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        def accumulate(carry, micro):
+            grads, stats = carry
+            (_, aux), g = grad_fn(state.params, graphdef, micro, z_loss=z_loss, kernels=kernels)
+            # Accumulate in fp32: summing bf16 micro-batch grads loses their small components.
+            grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+            stats = {
+                "ce_sum": stats["ce_sum"] + aux["ce_sum"],
+                "lse_sum": stats["lse_sum"] + aux["lse_sum"],
+                "lse_max": jnp.maximum(stats["lse_max"], aux["lse_max"]),
+            }
+            return (grads, stats), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        stats0 = {"ce_sum": 0.0, "lse_sum": 0.0, "lse_max": -jnp.inf}
+        stats0 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), stats0)
+        (grads, stats), _ = jax.lax.scan(accumulate, (zeros, stats0), batch)
+        # The loss is a mean over every trained token of the whole step, not of micro-batch means,
+        # so accumulation and masking do not reweight tokens.
+        tokens = jnp.sum(batch["loss_mask"], dtype=jnp.int32)
+        denom = jnp.maximum(tokens, 1).astype(jnp.float32)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        consecutive, total = nonfinite_counts(opt_state)
+        metrics = {
+            "loss": stats["ce_sum"] / denom,
+            "norm": optax.tree.norm(grads),
+            "lr": schedule(state.step),
+            "tokens": tokens,
+            "lse_max": stats["lse_max"],
+            "lse_mean": stats["lse_sum"] / denom,
+            "nonfinite": consecutive,
+            "nonfinite_total": total,
+        }
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+def make_eval_step(
+    graphdef: nnx.GraphDef, *, kernels: str = "xla"
+) -> Callable[[dict, Batch], tuple[jax.Array, jax.Array]]:
+    """(ce_sum, tokens) over one [1, B, T] batch."""
+
+    def eval_step(params: dict, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        micro = jax.tree.map(lambda x: x[0], batch)
+        _, aux = _micro_loss(params, graphdef, micro, z_loss=0.0, kernels=kernels)
+        return aux["ce_sum"], jnp.sum(micro["loss_mask"], dtype=jnp.int32)
+
+    return eval_step
+
+
+def model_config(cfg: TrainConfig) -> ModelConfig:
+    """The model's shape: a preset by name, or an HF directory's config.json."""
+    if os.path.isdir(cfg.model.model):
+        return ModelConfig.from_hf_dir(cfg.model.model)
+    return preset(cfg.model.model)
+
+
+def _dtype(name: str):
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def init_params(cfg: TrainConfig, model_cfg: ModelConfig, abstract: dict, shardings: dict) -> dict:
+    """Parameters born on device in their shardings: random init or the HF checkpoint."""
+    spec = cfg.model
+    if not spec.from_scratch:
+        sharding_of = lambda key: (
+            shardings[key[0]] if len(key) == 1 else shardings["layers"][key[1]]
+        )
+        return hf.load_hf_params(
+            spec.model, model_cfg, abstract, lambda key, x: jax.device_put(x, sharding_of(key))
+        )
+
+    def init():
+        model = Llama(
+            model_cfg,
+            rngs=nnx.Rngs(cfg.data.train_seed),
+            param_dtype=_dtype(spec.model_dtype),
+            init_proj_to_zero=spec.init_proj_to_zero,
+        )
+        return params_of(model)
+
+    return jax.jit(init, out_shardings=shardings)()
+
+
+class Trainer:
+    """Builds the mesh, model, optimizer, data and steps from a TrainConfig; `run` trains."""
+
+    def __init__(self, cfg: TrainConfig, argv: list[str] | None = None):
+        self.cfg = cfg
+        self.mesh = make_mesh(cfg.gpus)
+        n_dev = self.mesh.size
+        self.model_cfg = model_config(cfg)
+        d = cfg.data
+        self.train_data = TokenBatches(
+            d.train_files,
+            seq_len=d.seq_len,
+            batch_size=d.batch_size * n_dev,
+            grad_accumulation=d.grad_accumulation,
+            seed=d.train_seed,
+        )
+        self.train_data.check_vocab_size(self.model_cfg.vocab_size)
+        self.total_steps = cfg.steps or cfg.epochs * self.train_data.steps_per_epoch
+        self.tokens_per_step = d.seq_len * d.batch_size * n_dev * d.grad_accumulation
+        on_gpu = jax.default_backend() == "gpu"
+        self.log = RunLog(
+            cfg.log_file,
+            total_steps=self.total_steps,
+            flops_per_token=self.model_cfg.flops_per_token(d.seq_len),
+            peak_flops=GPU_PEAK_FLOPS * n_dev if on_gpu else 0.0,
+            is_main=jax.process_index() == 0,
+        )
+        self.log.record("cmd", 0, argv=argv or sys.argv)
+        self.log.record("options", 0, **dataclasses.asdict(cfg))
+
+        spec = cfg.model
+        self.graphdef, abstract, self.axes = abstract_model(
+            self.model_cfg,
+            param_dtype=_dtype(spec.model_dtype),
+            dtype=_dtype(spec.matmul_dtype),
+            scan_layers=spec.scan_layers,
+            attention=spec.attention,
+        )
+        rep = replicated(self.mesh)
+        param_shardings = jax.tree.map(lambda _: rep, abstract)
+        params = init_params(cfg, self.model_cfg, abstract, param_shardings)
+        self.log.record(
+            "model",
+            0,
+            name=spec.model,
+            architecture=self.model_cfg.architecture,
+            params=self.model_cfg.num_params(),
+            config=self.model_cfg.to_hf_dict(),
+            devices=n_dev,
+            device_kind=jax.devices()[0].device_kind,
+            processes=jax.process_count(),
+            jax_version=jax.__version__,
+        )
+        self.log.record(
+            "dataset",
+            0,
+            train_files=list(d.train_files),
+            windows=self.train_data.num_windows,
+            steps_per_epoch=self.train_data.steps_per_epoch,
+            vocab_size=self.train_data.vocab_size,
+            eval_files=list(d.eval_files),
+        )
+        self.optimizer = make_optimizer(cfg.optim, self.total_steps, self.axes)
+        self.schedule = lr_schedule(cfg.optim, self.total_steps)
+        opt_state = jax.jit(self.optimizer.init, out_shardings=rep)(params)
+        self.state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+        self.batch_sharding = batch_sharding(self.mesh)
+        state_sharding = jax.tree.map(lambda _: rep, self.state)
+        self.train_step = jax.jit(
+            make_train_step(self.graphdef, self.optimizer, self.schedule, z_loss=cfg.z_loss),
+            in_shardings=(state_sharding, self.batch_sharding),
+            out_shardings=(state_sharding, rep),
+            donate_argnums=0,
+        )
+        self.eval_step = jax.jit(make_eval_step(self.graphdef), out_shardings=rep)
+
+    def _eval_batches(self) -> Iterator[Batch] | None:
+        d = self.cfg.data
+        if not d.eval_files:
+            return None
+        return TokenBatches(
+            d.eval_files,
+            seq_len=d.seq_len,
+            batch_size=d.batch_size * self.mesh.size,
+            grad_accumulation=1,
+            seed=d.eval_seed,
+            shuffle=False,
+            repeat=False,
+        )
+
+    def evaluate(self, max_batches: int | None) -> tuple[float, int] | None:
+        """Mean loss over the eval set (from its start), at most `max_batches` batches."""
+        batches = self._eval_batches()
+        if batches is None:
+            return None
+        ce, tokens = 0.0, 0
+        for i, batch in enumerate(batches):
+            if max_batches is not None and i >= max_batches:
+                break
+            c, t = self.eval_step(self.state.params, to_global_arrays(batch, self.batch_sharding))
+            ce, tokens = ce + float(c), tokens + int(t)
+        return ce / max(tokens, 1), tokens
+
+    def _log_step(self, step: int, metrics: dict, duration_s: float) -> None:
+        m = jax.device_get(metrics)
+        self.log.step(
+            step,
+            loss=float(m["loss"]),
+            norm=float(m["norm"]),
+            lr=float(m["lr"]),
+            tokens=self.tokens_per_step,
+            duration_ms=1000 * duration_s,
+            trained_tokens=int(m["tokens"]),
+            lse_max=float(m["lse_max"]),
+            lse_mean=float(m["lse_mean"]),
+        )
+        if int(m["nonfinite"]) > 0:
+            self.log.info(step, f"step {step}: non-finite gradients, update skipped")
+        check_nonfinite(self.cfg.optim, step, int(m["nonfinite"]), int(m["nonfinite_total"]))
+
+    def _maybe_eval(self, step: int) -> None:
+        every = self.cfg.eval_every_n_steps
+        if every and step % every == 0 and step < self.total_steps:
+            result = self.evaluate(self.cfg.eval_num_steps)
+            if result is not None:
+                self.log.eval(step, loss=result[0], tokens=result[1])
+
+    def run(self) -> dict[str, float]:
+        """Train to the last step, evaluate on the whole eval set, export. Returns final losses."""
+        pending = None  # (step, metrics) dispatched but not yet logged
+        t_prev = time.perf_counter()
+        last_loss = float("nan")
+        for step in range(int(self.state.step) + 1, self.total_steps + 1):
+            batch = to_global_arrays(next(self.train_data), self.batch_sharding)
+            self.state, metrics = self.train_step(self.state, batch)
+            if pending is not None:
+                # Log step t-1 while step t runs: the fetch waits for t-1 only.
+                now = time.perf_counter()
+                self._log_step(pending[0], pending[1], now - t_prev)
+                t_prev = now
+                self._maybe_eval(pending[0])
+            pending = (step, metrics)
+        if pending is not None:
+            self._log_step(pending[0], pending[1], time.perf_counter() - t_prev)
+            last_loss = float(pending[1]["loss"])
+        result = {"train_loss": last_loss}
+        final = self.evaluate(None)
+        if final is not None:
+            self.log.eval(self.total_steps, loss=final[0], tokens=final[1])
+            result["eval_loss"] = final[0]
+        if self.cfg.out_dir:
+            self.export(self.cfg.out_dir)
+        self.log.close()
+        return result
+
+    def export(self, out_dir: str) -> None:
+        """Write the model in HF format, with the tokenizer files of the source model or data."""
+        spec = self.cfg.model
+        tok_dir = spec.model if os.path.isdir(spec.model) else None
+        if tok_dir is None or not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+            data_dir = os.path.dirname(self.cfg.data.train_files[0])
+            if os.path.isfile(os.path.join(data_dir, "tokenizer.json")):
+                tok_dir = data_dir
+        if jax.process_index() == 0:
+            hf.save_hf(out_dir, self.model_cfg, self.state.params, tokenizer_dir=tok_dir)
+        self.log.info(int(self.state.step), f"exported the model to {out_dir}")
+
+
+def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict[str, float]:
+    """Train as the config says; returns the final train (and eval) loss."""
+    return Trainer(cfg, argv).run()

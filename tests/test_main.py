@@ -1,0 +1,130 @@
+"""The real entry point, end to end in subprocesses: train, log, export; bad flags."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import transformers
+
+from jaxllmq.data.shards import write_shard
+
+VOCAB = 256
+
+
+def _run(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "jaxllmq.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=cwd,
+    )
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> str:
+    """Learnable data: a few short token patterns repeated with noise, train and eval shards."""
+    d = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(0)
+    motifs = [rng.integers(0, VOCAB, size=rng.integers(5, 12)) for _ in range(8)]
+
+    def stream(n_docs: int) -> np.ndarray:
+        return np.concatenate([motifs[i] for i in rng.integers(0, len(motifs), n_docs)])
+
+    write_shard(d / "train-000.bin", stream(3000).astype(np.int32), vocab_size=VOCAB)
+    write_shard(d / "train-001.bin", stream(3000).astype(np.int32), vocab_size=VOCAB)
+    write_shard(d / "eval.bin", stream(400).astype(np.int32), vocab_size=VOCAB)
+    (d / "tokenizer.json").write_text("{}")  # stands for the data's tokenizer: copied on export
+    return str(d)
+
+
+def _flags(shards: str, out: str, *extra: str) -> list[str]:
+    return [
+        "--model=tiny",
+        "--from_scratch",
+        f"--train_file={shards}/train-*.bin",
+        f"--eval_file={shards}/eval.bin",
+        "--seq_len=32",
+        "--batch-size=1",  # llmq's dashed spelling works too
+        "--grad_accumulation=2",
+        "--matmul_dtype=float32",
+        "--steps=30",
+        "--lr=3e-3",
+        "--warmup=5",
+        "--eval_every_n_steps=10",
+        "--eval_num_steps=2",
+        "--name=e2e",
+        f"--out_dir={out}/%n/model",
+        f"--log_file={out}/%n/log.jsonl",
+        *extra,
+    ]
+
+
+def test_train_end_to_end(shards, tmp_path):
+    flagfile = tmp_path / "run.flags"
+    flagfile.write_text("\n".join(_flags(shards, str(tmp_path))) + "\n--steps=5\n")
+    # The flagfile says 5 steps; the later command-line flag wins.
+    proc = _run(f"--flagfile={flagfile}", "--steps=30")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "e2e" / "log.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    kinds = {r["log"] for r in records}
+    assert {"cmd", "options", "model", "dataset", "step", "eval"} <= kinds
+    assert all({"log", "time", "step"} <= r.keys() for r in records)
+    steps = [r for r in records if r["log"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    for r in steps:
+        assert {"loss", "norm", "lr", "tokens", "duration_ms", "tokens_per_s", "mfu"} <= r.keys()
+    evals = [r for r in records if r["log"] == "eval"]
+    assert [r["step"] for r in evals] == [10, 20, 30]
+    assert evals[-1]["loss"] < evals[0]["loss"] - 0.5 < np.log(VOCAB)
+    assert steps[-1]["loss"] < steps[0]["loss"] - 1.0
+
+    model_dir = tmp_path / "e2e" / "model"
+    assert (model_dir / "tokenizer.json").exists()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir))
+    assert model.config.num_hidden_layers == 4 and model.config.vocab_size == 8192
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--lr=-1"], "lr"),
+        (["--lr_schedule=exp"], "lr_schedule"),
+        (["--epochs=2"], "exactly one of --steps and --epochs"),
+        (["--no_such_flag=1"], "no_such_flag"),
+        (["--batch_size=0"], "batch_size"),
+    ],
+)
+def test_bad_flags_exit_1_with_absl_message(shards, tmp_path, extra, message):
+    proc = _run(*_flags(shards, str(tmp_path)), *extra)
+    assert proc.returncode == 1
+    assert "Flags parsing error" in proc.stderr or "FATAL" in proc.stderr
+    assert message in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--model=llama-9"], "--model=llama-9"),
+        (["--model=/nonexistent", "--nofrom_scratch"], "no such Hugging Face model directory"),
+        (["--train_file=/nonexistent/*.bin"], "--train_file"),
+    ],
+)
+def test_bad_input_is_one_clear_line(shards, tmp_path, extra, message):
+    proc = _run(*_flags(shards, str(tmp_path)), *extra)
+    assert proc.returncode == 1
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_vocab_larger_than_the_model_is_refused(tmp_path):
+    write_shard(tmp_path / "big.bin", np.arange(100, dtype=np.int32), vocab_size=50000)
+    big = f"{tmp_path}/big.bin"
+    proc = _run(*_flags(str(tmp_path), str(tmp_path), f"--train_file={big}", f"--eval_file={big}"))
+    assert proc.returncode == 1
+    assert "big.bin" in proc.stderr and "vocab" in proc.stderr
+    assert not os.path.exists(tmp_path / "e2e" / "model")
