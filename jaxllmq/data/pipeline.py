@@ -125,10 +125,11 @@ class TokenBatches:
     Each step is {"inputs", "targets": int32[A, B_local, T], "loss_mask": bool[A, B_local, T]}
     with A = grad_accumulation, B_local = batch_size // process_count. An epoch is
     `steps_per_epoch` full steps; the windows left over at an epoch's end (fewer than one step)
-    are dropped, and the next epoch is a new permutation of all windows. With repeat=False
-    (eval) iteration stops after one epoch; `reset()` rewinds to the same first batch.
-    Prefetch: `prefetch` steps are read ahead by `num_threads` threads, in each of `num_workers`
-    Grain worker processes if that is > 0 (else in this process).
+    are dropped, and the next epoch is a new permutation of all windows (shuffle=False: file
+    order, every epoch). With repeat=False (eval) iteration stops after one epoch; `reset()`
+    rewinds to the same first batch. `prefetch` steps are read ahead by `num_threads` threads,
+    in each of `num_workers` Grain worker processes if that is > 0, else in this process.
+    `flag_name` is the flag that errors about the files name (--train_file, --eval_file).
     """
 
     def __init__(
@@ -167,11 +168,9 @@ class TokenBatches:
                 f"divisible by the number of processes, {process_count}"
             )
         self.files = expand_files(files, flag_name)
-        self.seq_len, self.batch_size, self.grad_accumulation = (
-            seq_len,
-            batch_size,
-            grad_accumulation,
-        )
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.grad_accumulation = grad_accumulation
         self.seed, self.shuffle, self.repeat = seed, shuffle, repeat
         self.process_index, self.process_count = process_index, process_count
         self.prefetch, self.num_threads, self.num_workers = prefetch, num_threads, num_workers
