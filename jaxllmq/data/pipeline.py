@@ -207,17 +207,18 @@ class TokenBatches:
 
     def _dataset(self, start: int) -> grain.IterDataset:
         stop = sys.maxsize if self.repeat else self.steps_per_epoch
-        options = grain.ReadOptions(
+        reading = grain.ReadOptions(
             num_threads=self.num_threads, prefetch_buffer_size=self.prefetch
         )
         ds = grain.MapDataset.range(start, max(start, stop)).map(self._loader)
-        ds = ds.to_iter_dataset(options)
+        ds = ds.to_iter_dataset(reading)
         if self.num_workers:
             if not flags.FLAGS.is_parsed():
                 # Grain's worker processes read its absl flags; outside absl.app (tests,
                 # notebooks) take their defaults rather than fail.
                 flags.FLAGS.mark_as_parsed()
-            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.num_workers))
+            per_worker = max(1, self.prefetch // self.num_workers)
+            ds = ds.mp_prefetch(grain.MultiprocessingOptions(self.num_workers, per_worker))
         return ds
 
     def __iter__(self) -> TokenBatches:
