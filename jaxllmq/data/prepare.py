@@ -83,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jaxllmq.data.prepare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     for name, kw in FLAGS:
+        if kw.get("default") not in (None, [], False):
+            kw = {**kw, "help": kw["help"] + " (default: %(default)s)"}
         spellings = dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"])
         p.add_argument(*spellings, dest=name, **kw)
     args = p.parse_args(argv)
