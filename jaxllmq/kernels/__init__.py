@@ -13,10 +13,15 @@ KERNELS = ("rms_norm", "lm_head_loss")
 AUTO_GPU = {"rms_norm": "xla", "lm_head_loss": "xla"}
 
 
-def resolve_impl(kernels: str, kernel: str, *, platform: str | None = None) -> str:
+def resolve_impl(
+    kernels: str, kernel: str, *, platform: str | None = None, num_devices: int = 1
+) -> str:
     """Implementation ("pallas" or "xla") of `kernel` for the `--kernels` setting.
 
-    auto: XLA on CPU (Pallas there only interprets), on GPU whichever measured faster (AUTO_GPU).
+    auto: XLA on CPU (Pallas there only interprets); on one GPU whichever measured faster
+    (AUTO_GPU); XLA under a multi-device mesh, because a Pallas call has no SPMD partitioning
+    rule (XLA would gather its operands onto every device) unless the caller wraps it in
+    shard_map. "pallas" is honoured as asked.
     """
     if kernel not in KERNELS:
         raise ValueError(f"resolve_impl: unknown kernel {kernel!r} (expected one of {KERNELS})")
@@ -25,4 +30,6 @@ def resolve_impl(kernels: str, kernel: str, *, platform: str | None = None) -> s
     if kernels != "auto":
         raise ValueError(f"--kernels must be auto, pallas or xla, got {kernels!r}")
     platform = platform or jax.default_backend()
-    return AUTO_GPU[kernel] if platform in ("gpu", "cuda") else "xla"
+    if platform not in ("gpu", "cuda") or num_devices > 1:
+        return "xla"
+    return AUTO_GPU[kernel]

@@ -40,7 +40,7 @@ def add_rms_norm_reference(
 class RmsNormConfig:
     """Launch shape: rows per program, warps; interpret runs the kernels on CPU."""
 
-    block_rows: int | None = None  # None: about 4096 elements per program
+    block_rows: int | None = None  # None: about 2048 elements per program
     num_warps: int | None = None
     bwd_programs: int = 512  # backward programs; each writes one fp32 partial of dweight
     interpret: bool = False
@@ -48,9 +48,11 @@ class RmsNormConfig:
 
 def _launch(n_rows: int, n_cols: int, cfg: RmsNormConfig) -> tuple[int, int, int]:
     block_cols = P.next_pow2(n_cols)
-    block_rows = cfg.block_rows or max(1, min(16, 4096 // block_cols))
+    # Measured on H200 (docs/PERFORMANCE.md): about 2048 elements per program; 8 warps for a
+    # 2048-wide row, 4 warps for two 1024-wide rows (hidden 896) beat larger blocks.
+    block_rows = cfg.block_rows or max(1, 2048 // block_cols)
     block_rows = min(P.next_pow2(block_rows), P.next_pow2(n_rows))
-    num_warps = cfg.num_warps or min(8, max(1, block_rows * block_cols // 1024))
+    num_warps = cfg.num_warps or (8 if block_cols >= 2048 else 4)
     return block_rows, block_cols, num_warps
 
 
