@@ -3,10 +3,12 @@
 import dataclasses
 import os
 import re
+import sys
 from collections.abc import Sequence
 
 from absl import flags
 
+from jaxllmq.data.pipeline import expand_files
 from jaxllmq.model.config import PRESETS
 from jaxllmq.optim import OptimConfig
 
@@ -104,12 +106,15 @@ _log_file = flags.DEFINE_string("log_file", None, "JSON Lines log (appended); %n
 _name = flags.DEFINE_string("name", "run", "Run name, substituted for %n in paths.")
 _gpus = flags.DEFINE_integer("gpus", 0, "Use this many local devices (0 = all).", lower_bound=0)
 
-flags.mark_flags_as_required(["model", "train_file"])
-flags.register_multi_flags_validator(
-    ["steps", "epochs"],
-    lambda d: (d["steps"] is None) != (d["epochs"] is None),
-    message="give exactly one of --steps and --epochs",
-)
+
+def require_training_flags() -> None:
+    """Validators that training needs and tools sharing these flags (bench) do not."""
+    flags.mark_flags_as_required(["model", "train_file"])
+    flags.register_multi_flags_validator(
+        ["steps", "epochs"],
+        lambda d: (d["steps"] is None) != (d["epochs"] is None),
+        message="give exactly one of --steps and --epochs",
+    )
 
 
 # ---- the config tree ----
@@ -187,47 +192,54 @@ def substitute_name(path: str | None, name: str) -> str | None:
     return None if path is None else path.replace("%n", name)
 
 
+def model_spec_from_flags() -> ModelSpec:
+    """The ModelSpec from the parsed flags."""
+    return ModelSpec(
+        model=_model.value,
+        from_scratch=_from_scratch.value,
+        model_dtype=_model_dtype.value,
+        matmul_dtype=_matmul_dtype.value,
+        init_proj_to_zero=_init_proj_to_zero.value,
+        scan_layers=_scan_layers.value,
+        attention=_attention.value,
+    )
+
+
+def optim_from_flags() -> OptimConfig:
+    """The OptimConfig from the parsed flags."""
+    return OptimConfig(
+        lr=_lr.value,
+        warmup=_warmup.value,
+        cooldown=_cooldown.value,
+        final_lr_fraction=_final_lr_fraction.value,
+        lr_schedule=_lr_schedule.value,
+        beta_1=_beta_1.value,
+        beta_2=_beta_2.value,
+        adam_epsilon=_adam_epsilon.value,
+        weight_decay=_weight_decay.value,
+        grad_clip=_grad_clip.value,
+        opt_m_dtype=_opt_m_dtype.value,
+        opt_v_dtype=_opt_v_dtype.value,
+        max_nonfinite=_max_nonfinite.value,
+    )
+
+
 def from_flags() -> TrainConfig:
     """Build the TrainConfig from the parsed absl flags (main.py calls this, once)."""
-    from jaxllmq.data.pipeline import expand_files  # imports jax: not needed for --help
-
     name = _name.value
+    eval_spec = _eval_file.value
     return TrainConfig(
-        model=ModelSpec(
-            model=_model.value,
-            from_scratch=_from_scratch.value,
-            model_dtype=_model_dtype.value,
-            matmul_dtype=_matmul_dtype.value,
-            init_proj_to_zero=_init_proj_to_zero.value,
-            scan_layers=_scan_layers.value,
-            attention=_attention.value,
-        ),
+        model=model_spec_from_flags(),
         data=DataConfig(
             train_files=tuple(expand_files(_train_file.value, "--train_file")),
-            eval_files=tuple(expand_files(_eval_file.value, "--eval_file"))
-            if _eval_file.value
-            else (),
+            eval_files=tuple(expand_files(eval_spec, "--eval_file")) if eval_spec else (),
             seq_len=_seq_len.value,
             batch_size=_batch_size.value,
             grad_accumulation=_grad_accumulation.value,
             train_seed=_train_seed.value,
             eval_seed=_eval_seed.value,
         ),
-        optim=OptimConfig(
-            lr=_lr.value,
-            warmup=_warmup.value,
-            cooldown=_cooldown.value,
-            final_lr_fraction=_final_lr_fraction.value,
-            lr_schedule=_lr_schedule.value,
-            beta_1=_beta_1.value,
-            beta_2=_beta_2.value,
-            adam_epsilon=_adam_epsilon.value,
-            weight_decay=_weight_decay.value,
-            grad_clip=_grad_clip.value,
-            opt_m_dtype=_opt_m_dtype.value,
-            opt_v_dtype=_opt_v_dtype.value,
-            max_nonfinite=_max_nonfinite.value,
-        ),
+        optim=optim_from_flags(),
         steps=_steps.value,
         epochs=_epochs.value,
         z_loss=_z_loss.value,
@@ -252,3 +264,14 @@ def normalize_dashes(argv: Sequence[str]) -> list[str]:
             arg = "--" + (m.group(1) or "") + m.group(2).replace("-", "_") + arg[m.end(2) :]
         out.append(arg)
     return out
+
+
+def parse_argv(argv: list[str]) -> list[str]:
+    """absl flags_parser: flagfiles expanded, dashed spellings normalized; exit 1 on bad flags."""
+    argv = flags.FLAGS.read_flags_from_files(argv, force_gnu=False)
+    try:
+        return flags.FLAGS(normalize_dashes(argv))
+    except flags.Error as e:
+        print(f"FATAL Flags parsing error: {e}", file=sys.stderr)
+        print("Pass --helpfull to see help on flags.", file=sys.stderr)
+        sys.exit(1)

@@ -13,14 +13,20 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxllmq.config import TrainConfig
+from jaxllmq.config import ModelSpec, TrainConfig
 from jaxllmq.data.pipeline import TokenBatches, to_global_arrays
 from jaxllmq.kernels.cross_entropy import lm_head_loss
 from jaxllmq.log import RunLog
 from jaxllmq.model import hf
-from jaxllmq.model.config import ModelConfig, preset
+from jaxllmq.model.config import ModelConfig, load_model_config
 from jaxllmq.model.llama import Llama, abstract_model, params_of
-from jaxllmq.optim import check_nonfinite, lr_schedule, make_optimizer, nonfinite_counts
+from jaxllmq.optim import (
+    OptimConfig,
+    check_nonfinite,
+    lr_schedule,
+    make_optimizer,
+    nonfinite_counts,
+)
 from jaxllmq.parallel.mesh import batch_sharding, make_mesh, replicated
 
 # Peak dense bf16 FLOP/s of one H100/H200 (spec), the MFU denominator DESIGN.md fixes.
@@ -120,20 +126,14 @@ def make_eval_step(
     return eval_step
 
 
-def model_config(cfg: TrainConfig) -> ModelConfig:
-    """The model's shape: a preset by name, or an HF directory's config.json."""
-    if os.path.isdir(cfg.model.model):
-        return ModelConfig.from_hf_dir(cfg.model.model)
-    return preset(cfg.model.model)
-
-
 def _dtype(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
-def init_params(cfg: TrainConfig, model_cfg: ModelConfig, abstract: dict, shardings: dict) -> dict:
+def init_params(
+    spec: ModelSpec, model_cfg: ModelConfig, abstract: dict, shardings: dict, seed: int
+) -> dict:
     """Parameters born on device in their shardings: random init or the HF checkpoint."""
-    spec = cfg.model
     if not spec.from_scratch:
         sharding_of = lambda key: (
             shardings[key[0]] if len(key) == 1 else shardings["layers"][key[1]]
@@ -145,13 +145,63 @@ def init_params(cfg: TrainConfig, model_cfg: ModelConfig, abstract: dict, shardi
     def init():
         model = Llama(
             model_cfg,
-            rngs=nnx.Rngs(cfg.data.train_seed),
+            rngs=nnx.Rngs(seed),
             param_dtype=_dtype(spec.model_dtype),
             init_proj_to_zero=spec.init_proj_to_zero,
         )
         return params_of(model)
 
     return jax.jit(init, out_shardings=shardings)()
+
+
+@dataclasses.dataclass
+class Compiled:
+    """A model's state on the mesh and the jitted steps over it."""
+
+    graphdef: nnx.GraphDef
+    axes: dict
+    state: TrainState
+    train_step: Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
+    eval_step: Callable[[dict, Batch], tuple[jax.Array, jax.Array]]
+    batch_sharding: jax.sharding.Sharding
+
+
+def build(
+    model_cfg: ModelConfig,
+    spec: ModelSpec,
+    optim: OptimConfig,
+    *,
+    mesh: jax.sharding.Mesh,
+    total_steps: int,
+    seed: int,
+    z_loss: float = 0.0,
+) -> Compiled:
+    """Initialize (or import) the parameters and optimizer on the mesh; jit the steps.
+
+    The training run and the benchmark both come through here, so they time the same code.
+    """
+    graphdef, abstract, axes = abstract_model(
+        model_cfg,
+        param_dtype=_dtype(spec.model_dtype),
+        dtype=_dtype(spec.matmul_dtype),
+        scan_layers=spec.scan_layers,
+        attention=spec.attention,
+    )
+    rep = replicated(mesh)
+    params = init_params(spec, model_cfg, abstract, jax.tree.map(lambda _: rep, abstract), seed)
+    optimizer = make_optimizer(optim, total_steps, axes)
+    opt_state = jax.jit(optimizer.init, out_shardings=rep)(params)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+    state_sharding = jax.tree.map(lambda _: rep, state)
+    data_sharding = batch_sharding(mesh)
+    train_step = jax.jit(
+        make_train_step(graphdef, optimizer, lr_schedule(optim, total_steps), z_loss=z_loss),
+        in_shardings=(state_sharding, data_sharding),
+        out_shardings=(state_sharding, rep),
+        donate_argnums=0,
+    )
+    eval_step = jax.jit(make_eval_step(graphdef), out_shardings=rep)
+    return Compiled(graphdef, axes, state, train_step, eval_step, data_sharding)
 
 
 class Trainer:
@@ -161,7 +211,7 @@ class Trainer:
         self.cfg = cfg
         self.mesh = make_mesh(cfg.gpus)
         n_dev = self.mesh.size
-        self.model_cfg = model_config(cfg)
+        self.model_cfg = load_model_config(cfg.model.model)
         d = cfg.data
         self.train_data = TokenBatches(
             d.train_files,
@@ -185,16 +235,17 @@ class Trainer:
         self.log.record("options", 0, **dataclasses.asdict(cfg))
 
         spec = cfg.model
-        self.graphdef, abstract, self.axes = abstract_model(
+        self.compiled = build(
             self.model_cfg,
-            param_dtype=_dtype(spec.model_dtype),
-            dtype=_dtype(spec.matmul_dtype),
-            scan_layers=spec.scan_layers,
-            attention=spec.attention,
+            spec,
+            cfg.optim,
+            mesh=self.mesh,
+            total_steps=self.total_steps,
+            seed=d.train_seed,
+            z_loss=cfg.z_loss,
         )
-        rep = replicated(self.mesh)
-        param_shardings = jax.tree.map(lambda _: rep, abstract)
-        params = init_params(cfg, self.model_cfg, abstract, param_shardings)
+        self.state = self.compiled.state
+        self.batch_sharding = self.compiled.batch_sharding
         self.log.record(
             "model",
             0,
@@ -216,19 +267,6 @@ class Trainer:
             vocab_size=self.train_data.vocab_size,
             eval_files=list(d.eval_files),
         )
-        self.optimizer = make_optimizer(cfg.optim, self.total_steps, self.axes)
-        self.schedule = lr_schedule(cfg.optim, self.total_steps)
-        opt_state = jax.jit(self.optimizer.init, out_shardings=rep)(params)
-        self.state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
-        self.batch_sharding = batch_sharding(self.mesh)
-        state_sharding = jax.tree.map(lambda _: rep, self.state)
-        self.train_step = jax.jit(
-            make_train_step(self.graphdef, self.optimizer, self.schedule, z_loss=cfg.z_loss),
-            in_shardings=(state_sharding, self.batch_sharding),
-            out_shardings=(state_sharding, rep),
-            donate_argnums=0,
-        )
-        self.eval_step = jax.jit(make_eval_step(self.graphdef), out_shardings=rep)
 
     def _eval_batches(self) -> Iterator[Batch] | None:
         d = self.cfg.data
@@ -253,7 +291,9 @@ class Trainer:
         for i, batch in enumerate(batches):
             if max_batches is not None and i >= max_batches:
                 break
-            c, t = self.eval_step(self.state.params, to_global_arrays(batch, self.batch_sharding))
+            c, t = self.compiled.eval_step(
+                self.state.params, to_global_arrays(batch, self.batch_sharding)
+            )
             ce, tokens = ce + float(c), tokens + int(t)
         return ce / max(tokens, 1), tokens
 
@@ -288,7 +328,7 @@ class Trainer:
         last_loss = float("nan")
         for step in range(int(self.state.step) + 1, self.total_steps + 1):
             batch = to_global_arrays(next(self.train_data), self.batch_sharding)
-            self.state, metrics = self.train_step(self.state, batch)
+            self.state, metrics = self.compiled.train_step(self.state, batch)
             if pending is not None:
                 # Log step t-1 while step t runs: the fetch waits for t-1 only.
                 now = time.perf_counter()

@@ -397,6 +397,11 @@ def preset(name: str) -> ModelConfig:
     return PRESETS[name]
 
 
+def load_model_config(model: str) -> ModelConfig:
+    """An HF model directory's config.json, or a preset by name."""
+    return ModelConfig.from_hf_dir(model) if os.path.isdir(model) else preset(model)
+
+
 def rope_inv_freq(cfg: ModelConfig) -> list[float]:
     """Per-pair inverse frequencies (Dh/2 of them), with the config's scaling applied."""
     dh = cfg.dim_per_head

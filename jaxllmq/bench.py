@@ -1,0 +1,166 @@
+"""Benchmark the real train step on synthetic tokens: tokens/s, MFU, memory, compile time.
+
+    python -m jaxllmq.bench --model=llama-3.2-1b --batch_size=8 --seq_len=2048 [--json]
+    python -m jaxllmq.bench --flagfile=configs/llama-3.2-1b-pretrain.flags --bench_steps=30
+
+Takes the trainer's flags (the same flagfiles work; --train_file is not needed) and builds the
+state and step through train.build, the code path a training run uses.
+"""
+
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from jaxllmq import config, train
+from jaxllmq.model.config import PRESETS, ModelConfig, load_model_config
+from jaxllmq.parallel.mesh import make_mesh
+
+_bench_steps = flags.DEFINE_integer("bench_steps", 20, "Timed steps.", lower_bound=1)
+_bench_warmup = flags.DEFINE_integer(
+    "bench_warmup", 3, "Untimed steps after compiling.", lower_bound=1
+)
+_json = flags.DEFINE_bool("json", False, "Print one JSON object instead of the table.")
+_measure_ceiling = flags.DEFINE_bool(
+    "measure_matmul_ceiling", True, "On GPU, time an 8192^3 bf16 matmul as the practical peak."
+)
+
+
+def matmul_ceiling(n: int = 8192, reps: int = 10) -> float:
+    """Measured bf16 matmul FLOP/s of one device (random data, median of `reps`)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda x, y: x @ y)
+    mm(a, b).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        mm(a, b).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times)
+
+
+def synthetic_batch(cfg: ModelConfig, acc: int, rows: int, seq_len: int, seed: int = 0) -> dict:
+    """Uniform random tokens [acc, rows, seq_len], every target trained on."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, cfg.vocab_size, size=(acc, rows, seq_len + 1), dtype=np.int32)
+    return {
+        "inputs": tokens[..., :-1],
+        "targets": tokens[..., 1:],
+        "loss_mask": np.ones((acc, rows, seq_len), bool),
+    }
+
+
+def run_bench(
+    model_cfg: ModelConfig,
+    spec: config.ModelSpec,
+    optim,
+    *,
+    batch_size: int,
+    seq_len: int,
+    grad_accumulation: int,
+    gpus: int,
+    steps: int,
+    warmup: int,
+    ceiling: bool,
+) -> dict:
+    """Compile, warm up and time the train step; returns the measurements."""
+    mesh = make_mesh(gpus)
+    n_dev = mesh.size
+    t0 = time.perf_counter()
+    built = train.build(model_cfg, spec, optim, mesh=mesh, total_steps=10_000, seed=0)
+    init_s = time.perf_counter() - t0
+    batch = synthetic_batch(model_cfg, grad_accumulation, batch_size * n_dev, seq_len)
+    batch = jax.device_put(batch, built.batch_sharding)
+    t0 = time.perf_counter()
+    step = built.train_step.lower(built.state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    state, losses = built.state, []
+    for _ in range(warmup):
+        state, m = step(state, batch)
+    jax.block_until_ready(m)
+    # Throughput: steps back to back, as the host loop dispatches them.
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, m = step(state, batch)
+        losses.append(m["loss"])
+    jax.block_until_ready(m)
+    total_s = time.perf_counter() - t0
+    # Per-step times (synchronized) for the median and the spread.
+    per_step = []
+    for _ in range(min(steps, 10)):
+        t = time.perf_counter()
+        state, m = step(state, batch)
+        jax.block_until_ready(m)
+        per_step.append(time.perf_counter() - t)
+    tokens_per_step = grad_accumulation * batch_size * n_dev * seq_len
+    tokens_per_s = tokens_per_step * steps / total_s
+    flops = model_cfg.flops_per_token(seq_len) * tokens_per_s
+    on_gpu = jax.default_backend() == "gpu"
+    stats = jax.devices()[0].memory_stats() or {}
+    out = {
+        "model": spec.model,
+        "params": model_cfg.num_params(),
+        "devices": n_dev,
+        "device_kind": jax.devices()[0].device_kind,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "grad_accumulation": grad_accumulation,
+        "model_dtype": spec.model_dtype,
+        "matmul_dtype": spec.matmul_dtype,
+        "scan_layers": spec.scan_layers,
+        "attention": spec.attention,
+        "tokens_per_s": tokens_per_s,
+        "step_ms_mean": 1000 * total_s / steps,
+        "step_ms_median": 1000 * statistics.median(per_step),
+        "step_ms_stdev": 1000 * statistics.pstdev(per_step),
+        "mfu_spec": flops / (train.GPU_PEAK_FLOPS * n_dev) if on_gpu else None,
+        "peak_memory_gib": stats.get("peak_bytes_in_use", 0) / 2**30 or None,
+        "compile_s": compile_s,
+        "init_s": init_s,
+        "losses": [float(x) for x in losses[:: max(1, steps // 10)]],
+        "jax_version": jax.__version__,
+    }
+    if on_gpu and ceiling:
+        peak = matmul_ceiling()
+        out["matmul_ceiling_tflops"] = peak / 1e12
+        out["mfu_ceiling"] = flops / (peak * n_dev)
+    return out
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        sys.exit(f"error: unexpected arguments {argv[1:]}")
+    F = flags.FLAGS
+    if F.model is None:
+        sys.exit("error: --model is required (a preset, or an HF directory)")
+    F.from_scratch = F.from_scratch or F.model in PRESETS  # a preset has no weights to load
+    spec = config.model_spec_from_flags()
+    model_cfg = load_model_config(spec.model)
+    result = run_bench(
+        model_cfg,
+        spec,
+        config.optim_from_flags(),
+        batch_size=F.batch_size,
+        seq_len=F.seq_len,
+        grad_accumulation=F.grad_accumulation,
+        gpus=F.gpus,
+        steps=_bench_steps.value,
+        warmup=_bench_warmup.value,
+        ceiling=_measure_ceiling.value,
+    )
+    if _json.value:
+        print(json.dumps(result))
+        return
+    for key, value in result.items():
+        shown = f"{value:,.4g}" if isinstance(value, float) else value
+        print(f"{key:>22}  {shown}")
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=config.parse_argv)

@@ -1,0 +1,33 @@
+"""The benchmark runs the real train step and reports consistent numbers."""
+
+import dataclasses
+
+from jaxllmq import bench
+from jaxllmq.config import ModelSpec
+from jaxllmq.model.config import preset
+from jaxllmq.optim import OptimConfig
+
+
+def test_bench_reports_throughput_and_a_falling_loss():
+    cfg = dataclasses.replace(preset("tiny"), num_hidden_layers=2)
+    spec = ModelSpec(model="tiny", from_scratch=True, matmul_dtype="float32")
+    out = bench.run_bench(
+        cfg,
+        spec,
+        OptimConfig(lr=1e-2),
+        batch_size=1,
+        seq_len=32,
+        grad_accumulation=2,
+        gpus=0,
+        steps=4,
+        warmup=1,
+        ceiling=False,
+    )
+    assert out["devices"] == 8  # the test's fake CPU devices
+    tokens_per_step = 2 * 1 * 8 * 32
+    assert (
+        abs(out["tokens_per_s"] * out["step_ms_mean"] / 1000 - tokens_per_step)
+        < 1e-6 * tokens_per_step
+    )
+    assert out["losses"][-1] < out["losses"][0]  # the same batch, so it must be learned
+    assert out["compile_s"] > 0 and out["mfu_spec"] is None
