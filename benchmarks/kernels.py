@@ -291,7 +291,7 @@ def lm_time(n, d, v, cfg):
         ("xla chunks=4", "xla", 4, None),
         ("xla chunks=8", "xla", 8, None),
         ("pallas", "pallas", 1, cfg),
-        ("pallas chunk=2k", "pallas", 1, dataclasses.replace(cfg, chunk_tokens=2048)),
+        ("pallas chunk=4k", "pallas", 1, dataclasses.replace(cfg, chunk_tokens=4096)),
     ]
     for name, impl, chunks, c in variants:
         section(f"lm_time {name}", run, name, lm_grad(impl, chunks, c), "fwd+bwd")

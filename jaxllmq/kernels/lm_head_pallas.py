@@ -29,13 +29,16 @@ from jaxllmq.kernels import _pallas as P
 class LmHeadPallasConfig:
     """Tile sizes (powers of two) and launch parameters of the fused LM-head kernel."""
 
+    # Tiles: fastest of the H200 sweep (docs/PERFORMANCE.md), 560 TFLOP/s at hidden 2048.
     block_m: int = 128  # tokens per tile
     block_v: int = 256  # vocabulary entries per tile
     block_k: int = 64  # hidden-dim step of the inner matmul loop
     group_m: int = 32  # token blocks that sweep the vocabulary together (L2 reuse of h)
     num_warps: int = 8
     num_stages: int = 3
-    chunk_tokens: int = 4096  # most tokens whose q (softmax tiles) is held at once in the grad
+    # Most tokens whose q (softmax tiles) is held at once in the gradient. On H200 2048 ran as
+    # fast as 4096 at hidden 2048 (2% slower at 896) with 1.2 GiB of temporaries instead of 3.1.
+    chunk_tokens: int = 2048
     interpret: bool = False
 
 

@@ -6,6 +6,9 @@ x once and writes y once; the backward reads x and dy once, writes dx once, and 
 row statistics instead of saving them (a reduction over a row already in registers is free next
 to the memory traffic). `add_rms_norm` fuses the residual add that precedes every norm in the
 model, so the sum is written once and never re-read for the statistics.
+
+A Pallas call has no SPMD partitioning rule: under a multi-device mesh call it inside shard_map
+(rows are independent), or use "xla" (what resolve_impl's auto does there).
 """
 
 import dataclasses
