@@ -197,6 +197,9 @@ def test_refuses_to_mix_with_old_shards_unless_overwrite(tmp_path, tokenizer_dir
     out.mkdir()
     (out / "train-007.bin").write_bytes(b"stale")
     assert "pass --overwrite" in prepare_here(*args, f"--out_dir={out}")
+    bad_eos = prepare_here(*args, f"--out_dir={out}", "--overwrite", "--eos_token=<nope>")
+    assert "not in the tokenizer's vocab" in bad_eos
+    assert (out / "train-007.bin").exists(), "a run that fails its checks deletes nothing"
     prepare_here(*args, f"--out_dir={out}", "--overwrite", "--eval_fraction=0")
     assert sorted(p.name for p in out.glob("*.bin")) == ["train-000.bin"]
 

@@ -431,22 +431,23 @@ def copy_tokenizer_files(tokenizer_json: str, config_dir: str, out_dir: str) -> 
 def run(args: argparse.Namespace) -> dict:
     """Tokenize per `args` into args.out_dir; returns the summary it prints."""
     start = time.perf_counter()
-    _prepare_out_dir(args.out_dir, args.overwrite or args.quickstart)
     if args.quickstart:
+        _prepare_out_dir(args.out_dir, overwrite=True)
         texts = stdlib_sources(int(args.quickstart_mb * 1e6))
         print(f"quickstart: {len(texts)} standard library files, "
               f"{sum(map(len, texts)) / 1e6:.1f}M characters; training the tokenizer")  # fmt: skip
         tokenizer = train_quickstart_tokenizer(texts, args.vocab_size, args.out_dir)
-        config_dir, docs = args.out_dir, iter(texts)
-    else:
+        eos_id = resolve_eos(tokenizer, args.out_dir, args.eos_token)
+        docs: Iterable[Document] = texts
+    else:  # check inputs, tokenizer and EOS before touching --out_dir
         paths = expand_inputs(args.input)
         tokenizer_json, config_dir = find_tokenizer(args.tokenizer)
         tokenizer = Tokenizer.from_file(tokenizer_json)
+        eos_id = resolve_eos(tokenizer, config_dir, args.eos_token)
+        _prepare_out_dir(args.out_dir, args.overwrite)
+        copy_tokenizer_files(tokenizer_json, config_dir, args.out_dir)
         fields = (args.text_field, args.prompt_field, args.response_field)
         docs = read_documents(paths, fields, args.txt_documents)
-    eos_id = resolve_eos(tokenizer, config_dir, args.eos_token)
-    if not args.quickstart:
-        copy_tokenizer_files(tokenizer_json, config_dir, args.out_dir)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     progress = Progress()  # its clock times tokenizing alone: the throughput figure
     with Split(args.out_dir, vocab_size, args.shard_tokens, args.eval_fraction,
