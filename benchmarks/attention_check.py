@@ -43,8 +43,14 @@ def main() -> None:
     print(f"{'forward':>12} {'ms':>8} {'rel err vs fp32':>16}")
     for name in outs:
         print(f"{name:>12} {1000 * times[name]:8.1f} {rel(outs[name], outs['fp32-xla']):16.2e}")
-    err = rel(outs["bf16-cudnn"], outs["bf16-xla"])
-    print(f"cudnn vs xla (bf16): rel err {err:.2e}  ({'OK' if err < 2e-2 else 'FAIL'})")
+    # The referee is fp32: cuDNN's bf16 forward must be no further from it than XLA's bf16 one
+    # (random-init logits are small, so bf16 rounding alone gives a few 1e-2 relative).
+    cudnn, xla = rel(outs["bf16-cudnn"], outs["fp32-xla"]), rel(outs["bf16-xla"], outs["fp32-xla"])
+    ok = cudnn <= 1.1 * xla
+    print(
+        f"cudnn vs xla (bf16): rel err {rel(outs['bf16-cudnn'], outs['bf16-xla']):.2e}; "
+        f"vs fp32 {cudnn:.2e} against XLA's {xla:.2e} ({'OK' if ok else 'FAIL'})"
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: cuDNN-vs-XLA attention check, the 1B step benchmark (scan and unrolled), and
 # the llama-3.2-1b-pretrain flagfile for 300 steps on the quickstart corpus. Logs go to $OUT.
+# Usage: bash benchmarks/gpu_trainer.sh [attention] [bench] [pretrain]   (default: all)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -9,20 +10,28 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import jax, flax, optax, orbax.checkpoint as o; print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__, jax.devices())'
 
+want() { [[ " $SECTIONS " == *" $1 "* ]]; }
+SECTIONS="${*:-attention bench pretrain}"
+
+if want attention; then
 echo "== attention check"
 python3 benchmarks/attention_check.py 2>&1 | tee "$OUT/attention.txt"
+fi
 
+if want bench; then
 echo "== bench 1B, B=8 T=2048 (scan, then unrolled)"
 for scan in true false; do
   python3 -m jaxllmq.bench --model=llama-3.2-1b --batch_size=8 --seq_len=2048 \
     --scan_layers=$scan --bench_steps=20 --json 2>&1 | tail -1 | tee -a "$OUT/bench.jsonl"
 done
+fi
 
+if want pretrain; then
 echo "== pretrain flagfile, 300 steps on the quickstart corpus"
 python3 -m jaxllmq.data.prepare --quickstart --out_dir=/tmp/qs > "$OUT/prepare.txt" 2>&1 || { tail "$OUT/prepare.txt"; exit 1; }
 python3 -m jaxllmq.main --flagfile=configs/llama-3.2-1b-pretrain.flags \
   --train_file='/tmp/qs/train-*.bin' --eval_file=/tmp/qs/eval.bin --steps=300 --grad_accumulation=1 \
-  --warmup=30 --cooldown=0 --eval_every_n_steps=100 --eval_num_steps=5 \
+  --warmup=30 --cooldown=100 --eval_every_n_steps=100 --eval_num_steps=5 \
   --out_dir=/tmp/run/model --log_file="$OUT/pretrain.jsonl" > "$OUT/pretrain.txt" 2>&1
 echo "exit $?"; tail -5 "$OUT/pretrain.txt"
 python3 - "$OUT/pretrain.jsonl" <<'PY'
@@ -34,3 +43,4 @@ mfu = statistics.median(r["mfu"] for r in steps)
 print(f"pretrain: median {tps:,.0f} tokens/s, MFU {100 * mfu:.1f}% over steps 11-{steps[-1]['step']}")
 print("evals:", [(r["step"], round(r["loss"], 3)) for r in recs if r["log"] == "eval"])
 PY
+fi

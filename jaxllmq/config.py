@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from jaxllmq.data.pipeline import expand_files
+from jaxllmq.data.shards import expand_files
 from jaxllmq.model.config import PRESETS
 from jaxllmq.optim import OptimConfig
 
@@ -42,6 +42,18 @@ _scan_layers = flags.DEFINE_bool(
 )
 _attention = flags.DEFINE_enum(
     "attention", "auto", ("auto", "xla", "cudnn"), "Attention kernel; auto = cuDNN on GPU in bf16."
+)
+_kernels = flags.DEFINE_enum(
+    "kernels",
+    "auto",
+    ("auto", "pallas", "xla"),
+    "Fused Pallas kernels (RMSNorm, LM-head loss) or XLA; auto = Pallas where measured faster.",
+)
+_lmhead_chunks = flags.DEFINE_integer(
+    "lmhead_chunks",
+    1,
+    "Compute the LM-head loss over this many token chunks, never holding all logits (saves memory).",
+    lower_bound=1,
 )
 _batch_size = flags.DEFINE_integer(
     "batch_size", 4, "Micro-batch size per device (rows of --seq_len tokens).", lower_bound=1
@@ -175,6 +187,8 @@ class TrainConfig:
     steps: int | None = None
     epochs: int | None = None
     z_loss: float = 0.0
+    kernels: str = "auto"
+    lmhead_chunks: int = 1
     eval_every_n_steps: int = 100
     eval_num_steps: int = 20
     out_dir: str | None = None
@@ -243,6 +257,8 @@ def from_flags() -> TrainConfig:
         steps=_steps.value,
         epochs=_epochs.value,
         z_loss=_z_loss.value,
+        kernels=_kernels.value,
+        lmhead_chunks=_lmhead_chunks.value,
         eval_every_n_steps=_eval_every_n_steps.value,
         eval_num_steps=_eval_num_steps.value,
         out_dir=substitute_name(_out_dir.value, name),

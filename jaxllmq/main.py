@@ -19,7 +19,11 @@ def main(argv: list[str]) -> None:
     # Bad input (flags, files, model dirs, a diverged run) ends with one line, exit 1.
     user_errors = (config.ConfigError, ShardError, ModelConfigError, CheckpointFormatError)
     try:
-        train.run(config.from_flags(), sys.argv)
+        cfg = config.from_flags()  # every config dataclass validates itself: ValueError
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    try:
+        train.run(cfg, sys.argv)
     except (*user_errors, NonFiniteError) as e:
         sys.exit(f"error: {e}")
 

@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxllmq.config import ModelSpec, TrainConfig
 from jaxllmq.data.pipeline import TokenBatches, to_global_arrays
+from jaxllmq.kernels import resolve_impl
 from jaxllmq.kernels.cross_entropy import lm_head_loss
 from jaxllmq.log import RunLog
 from jaxllmq.model import hf
@@ -46,7 +47,7 @@ Batch = dict[str, jax.Array]  # inputs, targets: int32 [acc, B, T]; loss_mask: b
 
 
 def _micro_loss(
-    params: dict, graphdef: nnx.GraphDef, micro: Batch, *, z_loss: float, kernels: str
+    params: dict, graphdef: nnx.GraphDef, micro: Batch, *, z_loss: float, impl: str, chunks: int
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Summed objective over one micro-batch's trained tokens, and the loss statistics."""
     model = nnx.merge(graphdef, params)
@@ -58,7 +59,8 @@ def _micro_loss(
         micro["targets"].reshape(B * T),
         micro["loss_mask"].reshape(B * T),
         z_loss=z_loss,
-        impl=kernels,
+        impl=impl,
+        chunks=chunks,
     )
 
 
@@ -68,7 +70,8 @@ def make_train_step(
     schedule: optax.Schedule,
     *,
     z_loss: float = 0.0,
-    kernels: str = "xla",
+    loss_impl: str = "xla",
+    lmhead_chunks: int = 1,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The pure train step: accumulate grads over the micro-batches, normalize, update."""
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
@@ -76,7 +79,9 @@ def make_train_step(
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         def accumulate(carry, micro):
             grads, stats = carry
-            (_, aux), g = grad_fn(state.params, graphdef, micro, z_loss=z_loss, kernels=kernels)
+            (_, aux), g = grad_fn(
+                state.params, graphdef, micro, z_loss=z_loss, impl=loss_impl, chunks=lmhead_chunks
+            )
             # Accumulate in fp32: summing bf16 micro-batch grads loses their small components.
             grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
             stats = {
@@ -114,13 +119,15 @@ def make_train_step(
 
 
 def make_eval_step(
-    graphdef: nnx.GraphDef, *, kernels: str = "xla"
+    graphdef: nnx.GraphDef, *, loss_impl: str = "xla", lmhead_chunks: int = 1
 ) -> Callable[[dict, Batch], tuple[jax.Array, jax.Array]]:
     """(ce_sum, tokens) over one [1, B, T] batch."""
 
     def eval_step(params: dict, batch: Batch) -> tuple[jax.Array, jax.Array]:
         micro = jax.tree.map(lambda x: x[0], batch)
-        _, aux = _micro_loss(params, graphdef, micro, z_loss=0.0, kernels=kernels)
+        _, aux = _micro_loss(
+            params, graphdef, micro, z_loss=0.0, impl=loss_impl, chunks=lmhead_chunks
+        )
         return aux["ce_sum"], jnp.sum(micro["loss_mask"], dtype=jnp.int32)
 
     return eval_step
@@ -175,17 +182,22 @@ def build(
     total_steps: int,
     seed: int,
     z_loss: float = 0.0,
+    kernels: str = "auto",
+    lmhead_chunks: int = 1,
 ) -> Compiled:
     """Initialize (or import) the parameters and optimizer on the mesh; jit the steps.
 
     The training run and the benchmark both come through here, so they time the same code.
     """
+    norm_impl = resolve_impl(kernels, "rms_norm", num_devices=mesh.size)
+    loss_impl = resolve_impl(kernels, "lm_head_loss", num_devices=mesh.size)
     graphdef, abstract, axes = abstract_model(
         model_cfg,
         param_dtype=_dtype(spec.model_dtype),
         dtype=_dtype(spec.matmul_dtype),
         scan_layers=spec.scan_layers,
         attention=spec.attention,
+        norm_impl=norm_impl,
     )
     rep = replicated(mesh)
     params = init_params(spec, model_cfg, abstract, jax.tree.map(lambda _: rep, abstract), seed)
@@ -195,12 +207,22 @@ def build(
     state_sharding = jax.tree.map(lambda _: rep, state)
     data_sharding = batch_sharding(mesh)
     train_step = jax.jit(
-        make_train_step(graphdef, optimizer, lr_schedule(optim, total_steps), z_loss=z_loss),
+        make_train_step(
+            graphdef,
+            optimizer,
+            lr_schedule(optim, total_steps),
+            z_loss=z_loss,
+            loss_impl=loss_impl,
+            lmhead_chunks=lmhead_chunks,
+        ),
         in_shardings=(state_sharding, data_sharding),
         out_shardings=(state_sharding, rep),
         donate_argnums=0,
     )
-    eval_step = jax.jit(make_eval_step(graphdef), out_shardings=rep)
+    eval_step = jax.jit(
+        make_eval_step(graphdef, loss_impl=loss_impl, lmhead_chunks=lmhead_chunks),
+        out_shardings=rep,
+    )
     return Compiled(graphdef, axes, state, train_step, eval_step, data_sharding)
 
 
@@ -243,6 +265,8 @@ class Trainer:
             total_steps=self.total_steps,
             seed=d.train_seed,
             z_loss=cfg.z_loss,
+            kernels=cfg.kernels,
+            lmhead_chunks=cfg.lmhead_chunks,
         )
         self.state = self.compiled.state
         self.batch_sharding = self.compiled.batch_sharding
@@ -280,6 +304,7 @@ class Trainer:
             seed=d.eval_seed,
             shuffle=False,
             repeat=False,
+            flag_name="--eval_file",
         )
 
     def evaluate(self, max_batches: int | None) -> tuple[float, int] | None:

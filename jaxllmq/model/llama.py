@@ -101,7 +101,7 @@ def decoder_layer(
     cfg: ModelConfig,
     dtype,
     attention: str,
-    kernels: str,
+    norm_impl: str,
 ) -> jax.Array:
     """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). Params cast to `dtype` here."""
     B, T, _ = x_BxTxD.shape
@@ -109,7 +109,7 @@ def decoder_layer(
     w = {k: v.astype(dtype) for k, v in p.items()}
     eps = cfg.rms_norm_eps
 
-    h_BxTxD = rms_norm(x_BxTxD, w["input_layernorm"], eps, impl=kernels)
+    h_BxTxD = rms_norm(x_BxTxD, w["input_layernorm"], eps, impl=norm_impl)
     q = h_BxTxD @ w["q_proj"]
     k = h_BxTxD @ w["k_proj"]
     v = h_BxTxD @ w["v_proj"]
@@ -124,7 +124,7 @@ def decoder_layer(
     )
     x_BxTxD = x_BxTxD + o_BxTxNxH.reshape(B, T, N * H) @ w["o_proj"]
 
-    h_BxTxD = rms_norm(x_BxTxD, w["post_attention_layernorm"], eps, impl=kernels)
+    h_BxTxD = rms_norm(x_BxTxD, w["post_attention_layernorm"], eps, impl=norm_impl)
     gate_BxTxF = jax.nn.silu(h_BxTxD @ w["gate_proj"])
     up_BxTxF = h_BxTxD @ w["up_proj"]
     return x_BxTxD + (gate_BxTxF * up_BxTxF) @ w["down_proj"]
@@ -142,7 +142,7 @@ class Llama(nnx.Module):
         dtype=jnp.float32,
         scan_layers: bool = True,
         attention: str = "auto",
-        kernels: str = "xla",
+        norm_impl: str = "xla",
         remat: Callable | None = None,
         init_proj_to_zero: bool = False,
     ):
@@ -150,7 +150,7 @@ class Llama(nnx.Module):
         self.dtype = dtype
         self.scan_layers = scan_layers
         self.attention = resolve_attention(attention, dtype)
-        self.kernels = kernels
+        self.norm_impl = norm_impl  # RMSNorm: "xla" or "pallas" (kernels.resolve_impl)
         # remat: a function wrapping the per-layer function (jax.checkpoint with a policy).
         self.remat = remat
         D, V = cfg.hidden_size, cfg.vocab_size
@@ -195,7 +195,7 @@ class Llama(nnx.Module):
                 cfg=cfg,
                 dtype=self.dtype,
                 attention=self.attention,
-                kernels=self.kernels,
+                norm_impl=self.norm_impl,
             )
 
         if self.remat is not None:
@@ -207,7 +207,7 @@ class Llama(nnx.Module):
             for i in range(cfg.num_hidden_layers):
                 x_BxTxD = layer(x_BxTxD, {k: v[i] for k, v in stacked.items()})
         return rms_norm(
-            x_BxTxD, self.norm[...].astype(self.dtype), cfg.rms_norm_eps, impl=self.kernels
+            x_BxTxD, self.norm[...].astype(self.dtype), cfg.rms_norm_eps, impl=self.norm_impl
         )
 
     def logits(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None) -> jax.Array:
