@@ -339,30 +339,33 @@ class Trainer:
             self.log.info(step, f"step {step}: non-finite gradients, update skipped")
         check_nonfinite(self.cfg.optim, step, int(m["nonfinite"]), int(m["nonfinite_total"]))
 
-    def _maybe_eval(self, step: int) -> None:
+    def _eval_due(self, step: int) -> bool:
         every = self.cfg.eval_every_n_steps
-        if every and step % every == 0 and step < self.total_steps:
-            result = self.evaluate(self.cfg.eval_num_steps)
-            if result is not None:
-                self.log.eval(step, loss=result[0], tokens=result[1])
+        return bool(self.cfg.data.eval_files) and every > 0 and step % every == 0
 
     def run(self) -> dict[str, float]:
         """Train to the last step, evaluate on the whole eval set, export. Returns final losses."""
         pending = None  # (step, metrics) dispatched but not yet logged
         t_prev = time.perf_counter()
-        last_loss = float("nan")
         for step in range(int(self.state.step) + 1, self.total_steps + 1):
             batch = to_global_arrays(next(self.train_data), self.batch_sharding)
             self.state, metrics = self.compiled.train_step(self.state, batch)
             if pending is not None:
                 # Log step t-1 while step t runs: the fetch waits for t-1 only.
                 now = time.perf_counter()
-                self._log_step(pending[0], pending[1], now - t_prev)
+                self._log_step(*pending, now - t_prev)
                 t_prev = now
-                self._maybe_eval(pending[0])
             pending = (step, metrics)
+            if self._eval_due(step) and step < self.total_steps:
+                # Evaluate between steps, so neither the step times nor the eval overlap.
+                self._log_step(*pending, time.perf_counter() - t_prev)
+                pending = None
+                loss, tokens = self.evaluate(self.cfg.eval_num_steps)
+                self.log.eval(step, loss=loss, tokens=tokens)
+                t_prev = time.perf_counter()
+        last_loss = float("nan")
         if pending is not None:
-            self._log_step(pending[0], pending[1], time.perf_counter() - t_prev)
+            self._log_step(*pending, time.perf_counter() - t_prev)
             last_loss = float(pending[1]["loss"])
         result = {"train_loss": last_loss}
         final = self.evaluate(None)
