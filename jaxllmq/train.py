@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllmq.config import ModelSpec, TrainConfig
 from jaxllmq.data.pipeline import TokenBatches, to_global_arrays
@@ -28,7 +29,9 @@ from jaxllmq.optim import (
     make_optimizer,
     nonfinite_counts,
 )
-from jaxllmq.parallel.mesh import batch_sharding, make_mesh, replicated
+from jaxllmq.parallel import rules
+from jaxllmq.parallel.mesh import BATCH_AXES, TENSOR, batch_sharding, make_mesh, replicated
+from jaxllmq.parallel.rules import check_tensor_parallel
 
 # Peak dense bf16 FLOP/s of one H100/H200 (spec), the MFU denominator DESIGN.md fixes.
 GPU_PEAK_FLOPS = 989e12
@@ -72,9 +75,18 @@ def make_train_step(
     z_loss: float = 0.0,
     loss_impl: str = "xla",
     lmhead_chunks: int = 1,
+    grad_shardings: dict | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
-    """The pure train step: accumulate grads over the micro-batches, normalize, update."""
+    """The pure train step: accumulate grads over the micro-batches, normalize, update.
+
+    grad_shardings (ZeRO-2/3): each micro-batch's gradients are constrained to these, so XLA
+    reduce-scatters them instead of all-reducing, and the fp32 accumulator is sharded too.
+    """
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
+    if grad_shardings is None:
+        shard_grads = lambda g: g
+    else:
+        shard_grads = lambda g: jax.lax.with_sharding_constraint(g, grad_shardings)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         def accumulate(carry, micro):
@@ -83,7 +95,7 @@ def make_train_step(
                 state.params, graphdef, micro, z_loss=z_loss, impl=loss_impl, chunks=lmhead_chunks
             )
             # Accumulate in fp32: summing bf16 micro-batch grads loses their small components.
-            grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+            grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, shard_grads(g))
             stats = {
                 "ce_sum": stats["ce_sum"] + aux["ce_sum"],
                 "lse_sum": stats["lse_sum"] + aux["lse_sum"],
@@ -91,7 +103,7 @@ def make_train_step(
             }
             return (grads, stats), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        zeros = shard_grads(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params))
         stats0 = {"ce_sum": 0.0, "lse_sum": 0.0, "lse_max": -jnp.inf}
         stats0 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), stats0)
         (grads, stats), _ = jax.lax.scan(accumulate, (zeros, stats0), batch)
@@ -184,27 +196,64 @@ def build(
     z_loss: float = 0.0,
     kernels: str = "auto",
     lmhead_chunks: int = 1,
+    zero_level: int = 1,
 ) -> Compiled:
     """Initialize (or import) the parameters and optimizer on the mesh; jit the steps.
 
-    The training run and the benchmark both come through here, so they time the same code.
+    Shardings come from the ZeRO level's tables (parallel/rules.py). The training run and the
+    benchmark both come through here, so they time the same code.
     """
+    check_tensor_parallel(
+        mesh.shape[TENSOR],
+        heads=model_cfg.num_attention_heads,
+        kv_heads=model_cfg.num_key_value_heads,
+        ffn=model_cfg.intermediate_size,
+        vocab=model_cfg.vocab_size,
+    )
+    tables = rules.plan(zero_level)
     norm_impl = resolve_impl(kernels, "rms_norm", num_devices=mesh.size)
     loss_impl = resolve_impl(kernels, "lm_head_loss", num_devices=mesh.size)
-    graphdef, abstract, axes = abstract_model(
-        model_cfg,
+    model_kwargs = dict(
         param_dtype=_dtype(spec.model_dtype),
         dtype=_dtype(spec.matmul_dtype),
         scan_layers=spec.scan_layers,
         attention=spec.attention,
         norm_impl=norm_impl,
     )
-    rep = replicated(mesh)
-    params = init_params(spec, model_cfg, abstract, jax.tree.map(lambda _: rep, abstract), seed)
+    _, abstract, axes = abstract_model(model_cfg, **model_kwargs)
+    # A layer's weights are used with their tensor-parallel sharding only (gathered over fsdp).
+    layer_compute = {
+        name: NamedSharding(
+            mesh,
+            rules.spec(axes["layers"][name][1:], x.shape[1:], rules.TENSOR_RULES, mesh),
+        )
+        for name, x in abstract["layers"].items()
+    }
+    activations = NamedSharding(mesh, PartitionSpec(BATCH_AXES, None, None))
+    graphdef, _, _ = abstract_model(
+        model_cfg,
+        **model_kwargs,
+        constrain=lambda x: jax.lax.with_sharding_constraint(x, activations),
+        gather_layer=lambda p: {
+            k: jax.lax.with_sharding_constraint(v, layer_compute[k]) for k, v in p.items()
+        },
+    )
+    param_shardings = rules.shardings(axes, abstract, tables.params, mesh)
+    params = init_params(spec, model_cfg, abstract, param_shardings, seed)
     optimizer = make_optimizer(optim, total_steps, axes)
-    opt_state = jax.jit(optimizer.init, out_shardings=rep)(params)
+    rep = replicated(mesh)
+    opt_param_shardings = rules.shardings(axes, abstract, tables.opt, mesh)
+    opt_shardings = optax.tree_map_params(
+        optimizer,
+        lambda _, s: s,
+        jax.eval_shape(optimizer.init, abstract),
+        opt_param_shardings,
+        transform_non_params=lambda _: rep,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
-    state_sharding = jax.tree.map(lambda _: rep, state)
+    state_sharding = TrainState(step=rep, params=param_shardings, opt_state=opt_shardings)
     data_sharding = batch_sharding(mesh)
     train_step = jax.jit(
         make_train_step(
@@ -214,6 +263,7 @@ def build(
             z_loss=z_loss,
             loss_impl=loss_impl,
             lmhead_chunks=lmhead_chunks,
+            grad_shardings=rules.shardings(axes, abstract, tables.grads, mesh),
         ),
         in_shardings=(state_sharding, data_sharding),
         out_shardings=(state_sharding, rep),
@@ -221,6 +271,7 @@ def build(
     )
     eval_step = jax.jit(
         make_eval_step(graphdef, loss_impl=loss_impl, lmhead_chunks=lmhead_chunks),
+        in_shardings=(param_shardings, data_sharding),
         out_shardings=rep,
     )
     return Compiled(graphdef, axes, state, train_step, eval_step, data_sharding)

@@ -144,6 +144,8 @@ class Llama(nnx.Module):
         attention: str = "auto",
         norm_impl: str = "xla",
         remat: Callable | None = None,
+        constrain: Callable[[jax.Array], jax.Array] | None = None,
+        gather_layer: Callable[[dict], dict] | None = None,
         init_proj_to_zero: bool = False,
     ):
         self.cfg = cfg
@@ -153,6 +155,11 @@ class Llama(nnx.Module):
         self.norm_impl = norm_impl  # RMSNorm: "xla" or "pallas" (kernels.resolve_impl)
         # remat: a function wrapping the per-layer function (jax.checkpoint with a policy).
         self.remat = remat
+        # Sharding hooks (parallel/): `constrain` pins the activations' sharding at block
+        # boundaries; `gather_layer` gives one layer's weights their compute sharding (under
+        # ZeRO-3 that is the per-layer all-gather).
+        self.constrain = constrain or (lambda x: x)
+        self.gather_layer = gather_layer or (lambda p: p)
         D, V = cfg.hidden_size, cfg.vocab_size
         self.embed_tokens = nnx.Param(
             _normal(rngs, (V, D), 0.02, param_dtype), axes=("vocab", "embed")
@@ -185,10 +192,11 @@ class Llama(nnx.Module):
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         cos, sin = rope_cos_sin(cfg, positions_BxT)
         x_BxTxD = jnp.take(self.embed_tokens[...], tokens_BxT, axis=0).astype(self.dtype)
+        x_BxTxD = self.constrain(x_BxTxD)
 
         def layer(x, p):
-            return decoder_layer(
-                p,
+            x = decoder_layer(
+                self.gather_layer(p),
                 x,
                 cos,
                 sin,
@@ -197,6 +205,7 @@ class Llama(nnx.Module):
                 attention=self.attention,
                 norm_impl=self.norm_impl,
             )
+            return self.constrain(x)
 
         if self.remat is not None:
             layer = self.remat(layer)

@@ -1,30 +1,86 @@
-"""The device mesh and the batch's sharding over it."""
+"""The device mesh (data x fsdp x tensor), the batch's sharding over it, multi-host start-up."""
+
+import os
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-DATA = "data"
+DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
+BATCH_AXES = (DATA, FSDP)  # the batch is split over every non-tensor device
 
 
-def make_mesh(gpus: int = 0) -> Mesh:
-    """A 1-D data-parallel mesh over the first `gpus` local devices of each process (0 = all)."""
+def make_mesh(gpus: int = 0, *, tensor_parallel: int = 1, data_parallel: int = 1) -> Mesh:
+    """Mesh over the first `gpus` local devices of every process (0 = all).
+
+    Shape (data, fsdp, tensor): `tensor_parallel` devices per model replica shard heads and MLP
+    (kept within one process, next to each other), `data_parallel` groups hold full replicas
+    (for hybrid sharding across hosts), and ZeRO shards over the fsdp devices of each group.
+    """
     local = jax.local_device_count()
     if gpus > local:
         raise ValueError(f"--gpus={gpus}, but this process sees only {local} device(s)")
-    n = gpus or local
-    if jax.process_count() == 1:
-        devices = jax.devices()[:n]
-    else:
-        devices = [d for d in jax.devices() if d.id % local < n]  # n per process
-    return Mesh(np.asarray(devices), (DATA,))
+    per_process = gpus or local
+    if per_process % tensor_parallel:
+        raise ValueError(
+            f"--tensor_parallel={tensor_parallel} must divide the devices per process "
+            f"({per_process}); change --tensor_parallel or --gpus"
+        )
+    # Process-major order: process p's devices hold a contiguous block of the batch, the layout
+    # jax.make_array_from_process_local_data expects.
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    chosen = []
+    for p in range(jax.process_count()):
+        chosen += [d for d in devices if d.process_index == p][:per_process]
+    n = len(chosen)
+    if n % (tensor_parallel * data_parallel):
+        raise ValueError(
+            f"{n} devices cannot be split into --data_parallel={data_parallel} x "
+            f"--tensor_parallel={tensor_parallel} groups"
+        )
+    shape = (data_parallel, n // (tensor_parallel * data_parallel), tensor_parallel)
+    return Mesh(np.asarray(chosen).reshape(shape), (DATA, FSDP, TENSOR))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """[acc, B, T] batches: rows (axis 1) split over the data axis."""
-    return NamedSharding(mesh, PartitionSpec(None, DATA))
+    """[acc, B, T] batches: rows (axis 1) split over the data and fsdp axes."""
+    return NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     """The same array on every device of the mesh."""
     return NamedSharding(mesh, PartitionSpec())
+
+
+def initialize_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> bool:
+    """jax.distributed.initialize when several processes run; True if it did.
+
+    Explicit flags win; otherwise SLURM (more than one task), Open MPI and Kubernetes (JobSet
+    with JAX's coordinator variables) are detected from the environment, and jax's own cluster
+    detection fills in the rest.
+    """
+    explicit = coordinator_address is not None or num_processes is not None
+    env = os.environ
+    detected = (
+        int(env.get("SLURM_NTASKS", "1")) > 1
+        or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+        or "JAX_COORDINATOR_ADDRESS" in env
+    )
+    if not explicit and not detected:
+        return False
+    kwargs = {}
+    if explicit:
+        kwargs = dict(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+        )
+    if env.get("JAX_PLATFORMS", "").startswith("cpu"):  # asking jax would start its backend
+        # Collectives between CPU processes (tests, launch/local.sh on a laptop) go over gloo.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**kwargs)
+    return True

@@ -1,0 +1,94 @@
+"""Logical axis -> mesh axis tables. ZeRO levels and tensor parallelism are tables, not code paths.
+
+Parameters carry logical axis names (model/llama.py). Three tables say where each logical axis
+lives on the mesh for the parameters, the gradients and the optimizer state:
+
+  ZeRO-1: optimizer state sharded over the fsdp axis; parameters and gradients replicated.
+  ZeRO-2: gradients sharded too (the grad all-reduce becomes a reduce-scatter).
+  ZeRO-3: parameters sharded as well (FSDP: each layer's weights gathered where they are used).
+
+Tensor parallelism (Megatron-style) shards attention heads, the MLP hidden dim and the vocab over
+the tensor axis in all three, at every level.
+"""
+
+import dataclasses
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxllmq.parallel.mesh import FSDP, TENSOR
+
+Rules = dict[str, str]
+
+TENSOR_RULES: Rules = {"q_heads": TENSOR, "kv_heads": TENSOR, "mlp": TENSOR, "vocab": TENSOR}
+# Every matrix has an embed (D) dimension and every norm weight a norm (D) one: sharding D over the
+# fsdp axis splits every large array evenly.
+ZERO_RULES: Rules = {"embed": FSDP, "norm": FSDP}
+ZERO_LEVELS = (1, 2, 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Where the parameters, gradients and optimizer state live, for one ZeRO level."""
+
+    params: Rules
+    grads: Rules
+    opt: Rules
+
+
+def plan(zero_level: int) -> Plan:
+    """The three tables for a ZeRO level."""
+    if zero_level not in ZERO_LEVELS:
+        raise ValueError(f"--zero_level must be 1, 2 or 3, got {zero_level}")
+    zero = lambda level: {**TENSOR_RULES, **ZERO_RULES} if zero_level >= level else TENSOR_RULES
+    return Plan(params=zero(3), grads=zero(2), opt=zero(1))
+
+
+def spec(axes: tuple[str, ...], shape: tuple[int, ...], rules: Rules, mesh: Mesh) -> PartitionSpec:
+    """PartitionSpec for one array: each logical axis mapped by `rules`, where its size divides.
+
+    A mesh axis is used once per array; a dimension that the mesh axis does not divide stays
+    whole (tensor-parallel sizes are checked up front by check_tensor_parallel, so this only
+    leaves small odd-sized arrays replicated).
+    """
+    used, out = set(), []
+    for name, size in zip(axes, shape, strict=True):
+        mesh_axis = rules.get(name)
+        if mesh_axis is None or mesh_axis in used or size % mesh.shape[mesh_axis]:
+            out.append(None)
+        else:
+            used.add(mesh_axis)
+            out.append(mesh_axis)
+    return PartitionSpec(*out)
+
+
+def shardings(axes_tree: dict, abstract_tree: dict, rules: Rules, mesh: Mesh) -> dict:
+    """NamedShardings for a params-shaped tree, from its logical axes and shapes."""
+    is_axes = lambda x: isinstance(x, tuple)
+    return jax.tree.map(
+        lambda axes, x: NamedSharding(mesh, spec(axes, x.shape, rules, mesh)),
+        axes_tree,
+        abstract_tree,
+        is_leaf=is_axes,
+    )
+
+
+def check_tensor_parallel(tp: int, *, heads: int, kv_heads: int, ffn: int, vocab: int) -> None:
+    """Refuse tensor-parallel sizes that do not divide the model, saying what to change."""
+    if tp == 1:
+        return
+    bad = [
+        f"{name} ({size})"
+        for name, size in (
+            ("num_attention_heads", heads),
+            ("num_key_value_heads", kv_heads),
+            ("intermediate_size", ffn),
+            ("vocab_size", vocab),
+        )
+        if size % tp
+    ]
+    if bad:
+        raise ValueError(
+            f"--tensor_parallel={tp} does not divide {', '.join(bad)}; choose a tensor-parallel "
+            "size that divides all of them"
+        )
