@@ -67,6 +67,8 @@ def run_bench(
     seq_len: int,
     grad_accumulation: int,
     gpus: int,
+    zero_level: int = 1,
+    tensor_parallel: int = 1,
     steps: int,
     warmup: int,
     ceiling: bool,
@@ -74,8 +76,9 @@ def run_bench(
     lmhead_chunks: int = 1,
 ) -> dict:
     """Compile, warm up and time the train step; returns the measurements."""
-    mesh = make_mesh(gpus)
+    mesh = make_mesh(gpus, tensor_parallel=tensor_parallel)
     n_dev = mesh.size
+    rows = batch_size * (n_dev // tensor_parallel)
     t0 = time.perf_counter()
     built = train.build(
         model_cfg,
@@ -86,9 +89,10 @@ def run_bench(
         seed=0,
         kernels=kernels,
         lmhead_chunks=lmhead_chunks,
+        zero_level=zero_level,
     )
     init_s = time.perf_counter() - t0
-    batch = synthetic_batch(model_cfg, grad_accumulation, batch_size * n_dev, seq_len)
+    batch = synthetic_batch(model_cfg, grad_accumulation, rows, seq_len)
     batch = jax.device_put(batch, built.batch_sharding)
     t0 = time.perf_counter()
     step = built.train_step.lower(built.state, batch).compile()
@@ -111,15 +115,17 @@ def run_bench(
         state, m = step(state, batch)
         jax.block_until_ready(m)
         per_step.append(time.perf_counter() - t)
-    tokens_per_step = grad_accumulation * batch_size * n_dev * seq_len
+    tokens_per_step = grad_accumulation * rows * seq_len
     tokens_per_s = tokens_per_step * steps / total_s
     flops = model_cfg.flops_per_token(seq_len) * tokens_per_s
     on_gpu = jax.default_backend() == "gpu"
-    stats = jax.devices()[0].memory_stats() or {}
+    peak = max((dev.memory_stats() or {}).get("peak_bytes_in_use", 0) for dev in mesh.devices.flat)
     out = {
         "model": spec.model,
         "params": model_cfg.num_params(),
         "devices": n_dev,
+        "zero_level": zero_level,
+        "tensor_parallel": tensor_parallel,
         "device_kind": jax.devices()[0].device_kind,
         "batch_size": batch_size,
         "seq_len": seq_len,
@@ -135,7 +141,7 @@ def run_bench(
         "step_ms_median": 1000 * statistics.median(per_step),
         "step_ms_stdev": 1000 * statistics.pstdev(per_step),
         "mfu_spec": flops / (train.GPU_PEAK_FLOPS * n_dev) if on_gpu else None,
-        "peak_memory_gib": stats.get("peak_bytes_in_use", 0) / 2**30 or None,
+        "peak_memory_gib_per_device": peak / 2**30 or None,
         "compile_s": compile_s,
         "init_s": init_s,
         "losses": [float(x) for x in losses[:: max(1, steps // 10)]],
@@ -165,6 +171,8 @@ def main(argv: list[str]) -> None:
         seq_len=F.seq_len,
         grad_accumulation=F.grad_accumulation,
         gpus=F.gpus,
+        zero_level=int(F.zero_level),
+        tensor_parallel=F.tensor_parallel,
         steps=_bench_steps.value,
         warmup=_bench_warmup.value,
         ceiling=_measure_ceiling.value,

@@ -116,7 +116,32 @@ _out_dir = flags.DEFINE_string(
 )
 _log_file = flags.DEFINE_string("log_file", None, "JSON Lines log (appended); %n = --name.")
 _name = flags.DEFINE_string("name", "run", "Run name, substituted for %n in paths.")
-_gpus = flags.DEFINE_integer("gpus", 0, "Use this many local devices (0 = all).", lower_bound=0)
+_gpus = flags.DEFINE_integer(
+    "gpus", 0, "Use this many local devices per process (0 = all).", lower_bound=0
+)
+_zero_level = flags.DEFINE_enum(
+    "zero_level",
+    "1",
+    ("1", "2", "3"),
+    "ZeRO: 1 shards optimizer state over the data-parallel devices, 2 also gradients, 3 also "
+    "parameters (FSDP).",
+)
+_tensor_parallel = flags.DEFINE_integer(
+    "tensor_parallel", 1, "Shard attention heads and the MLP over this many devices.", lower_bound=1
+)
+_data_parallel = flags.DEFINE_integer(
+    "data_parallel",
+    1,
+    "Full replicas (hybrid sharding): ZeRO shards within each of these groups of devices.",
+    lower_bound=1,
+)
+_coordinator_address = flags.DEFINE_string(
+    "coordinator_address",
+    None,
+    "Multi-host: host:port of process 0 (auto-detected under SLURM, Open MPI, Kubernetes).",
+)
+_num_processes = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
+_process_id = flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
 
 
 def require_training_flags() -> None:
@@ -178,6 +203,25 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Devices and how the model and batch are split over them."""
+
+    gpus: int = 0
+    zero_level: int = 1
+    tensor_parallel: int = 1
+    data_parallel: int = 1
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    def __post_init__(self):
+        if self.zero_level not in (1, 2, 3):
+            raise ConfigError(f"--zero_level must be 1, 2 or 3, got {self.zero_level}")
+        if (self.num_processes is None) != (self.process_id is None):
+            raise ConfigError("--num_processes and --process_id go together")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Everything a run needs, validated on construction."""
 
@@ -194,7 +238,7 @@ class TrainConfig:
     out_dir: str | None = None
     log_file: str | None = None
     name: str = "run"
-    gpus: int = 0
+    mesh: MeshConfig = MeshConfig()
 
     def __post_init__(self):
         if (self.steps is None) == (self.epochs is None):
@@ -238,6 +282,19 @@ def optim_from_flags() -> OptimConfig:
     )
 
 
+def mesh_from_flags() -> MeshConfig:
+    """The MeshConfig from the parsed flags."""
+    return MeshConfig(
+        gpus=_gpus.value,
+        zero_level=int(_zero_level.value),
+        tensor_parallel=_tensor_parallel.value,
+        data_parallel=_data_parallel.value,
+        coordinator_address=_coordinator_address.value,
+        num_processes=_num_processes.value,
+        process_id=_process_id.value,
+    )
+
+
 def from_flags() -> TrainConfig:
     """Build the TrainConfig from the parsed absl flags (main.py calls this, once)."""
     name = _name.value
@@ -264,7 +321,7 @@ def from_flags() -> TrainConfig:
         out_dir=substitute_name(_out_dir.value, name),
         log_file=substitute_name(_log_file.value, name),
         name=name,
-        gpus=_gpus.value,
+        mesh=mesh_from_flags(),
     )
 
 

@@ -11,6 +11,7 @@ from jaxllmq import config, train
 from jaxllmq.data.shards import ShardError
 from jaxllmq.model import CheckpointFormatError, ModelConfigError
 from jaxllmq.optim import NonFiniteError
+from jaxllmq.parallel.mesh import initialize_distributed
 
 
 def main(argv: list[str]) -> None:
@@ -22,6 +23,9 @@ def main(argv: list[str]) -> None:
         cfg = config.from_flags()  # every config dataclass validates itself: ValueError
     except ValueError as e:
         sys.exit(f"error: {e}")
+    initialize_distributed(
+        cfg.mesh.coordinator_address, cfg.mesh.num_processes, cfg.mesh.process_id
+    )
     try:
         train.run(cfg, sys.argv)
     except (*user_errors, NonFiniteError) as e:

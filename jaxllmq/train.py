@@ -282,20 +282,25 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, argv: list[str] | None = None):
         self.cfg = cfg
-        self.mesh = make_mesh(cfg.gpus)
+        m = cfg.mesh
+        self.mesh = make_mesh(
+            m.gpus, tensor_parallel=m.tensor_parallel, data_parallel=m.data_parallel
+        )
         n_dev = self.mesh.size
         self.model_cfg = load_model_config(cfg.model.model)
         d = cfg.data
+        # Rows per micro-batch: --batch_size per device, a tensor-parallel group sharing its rows.
+        self.rows = d.batch_size * (n_dev // m.tensor_parallel)
         self.train_data = TokenBatches(
             d.train_files,
             seq_len=d.seq_len,
-            batch_size=d.batch_size * n_dev,
+            batch_size=self.rows,
             grad_accumulation=d.grad_accumulation,
             seed=d.train_seed,
         )
         self.train_data.check_vocab_size(self.model_cfg.vocab_size)
         self.total_steps = cfg.steps or cfg.epochs * self.train_data.steps_per_epoch
-        self.tokens_per_step = d.seq_len * d.batch_size * n_dev * d.grad_accumulation
+        self.tokens_per_step = d.seq_len * self.rows * d.grad_accumulation
         on_gpu = jax.default_backend() == "gpu"
         self.log = RunLog(
             cfg.log_file,
@@ -318,6 +323,7 @@ class Trainer:
             z_loss=cfg.z_loss,
             kernels=cfg.kernels,
             lmhead_chunks=cfg.lmhead_chunks,
+            zero_level=cfg.mesh.zero_level,
         )
         self.state = self.compiled.state
         self.batch_sharding = self.compiled.batch_sharding
@@ -350,7 +356,7 @@ class Trainer:
         return TokenBatches(
             d.eval_files,
             seq_len=d.seq_len,
-            batch_size=d.batch_size * self.mesh.size,
+            batch_size=self.rows,
             grad_accumulation=1,
             seed=d.eval_seed,
             shuffle=False,
