@@ -442,8 +442,13 @@ class Trainer:
             data_dir = os.path.dirname(self.cfg.data.train_files[0])
             if os.path.isfile(os.path.join(data_dir, "tokenizer.json")):
                 tok_dir = data_dir
-        if jax.process_index() == 0:
-            hf.save_hf(out_dir, self.model_cfg, self.state.params, tokenizer_dir=tok_dir)
+        hf.save_hf(
+            out_dir,
+            self.model_cfg,
+            self.state.params,
+            tokenizer_dir=tok_dir,
+            write=jax.process_index() == 0,
+        )
         self.log.info(int(self.state.step), f"exported the model to {out_dir}")
 
 

@@ -209,12 +209,18 @@ def save_hf(
     dtype=None,
     tokenizer_dir: str | None = None,
     max_shard_bytes: int = _DEFAULT_MAX_SHARD_BYTES,
+    write: bool = True,
 ) -> None:
     """Export params to `path` as HF config.json + safetensors (sharded with an index if large).
 
     dtype: the dtype on disk (default: the params' own). Tokenizer files found in
-    `tokenizer_dir` are copied beside the weights.
+    `tokenizer_dir` are copied beside the weights. With several processes every one must call
+    this (gathering a sharded parameter is collective); only the one with `write` writes.
     """
+    if not write:
+        for _, make in _hf_tensors(cfg, params, dtype):
+            make()
+        return
     os.makedirs(path, exist_ok=True)
     for stale in os.listdir(path):
         if stale.startswith("model") and stale.endswith(

@@ -1,0 +1,73 @@
+"""Multi-process on CPU: launch/local.sh with 2 processes x 2 devices trains like 1 x 4."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from jaxllmq.data.shards import write_shard
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _flags(data: str, out: str) -> list[str]:
+    return [
+        "--model=tiny",
+        "--from_scratch",
+        f"--train_file={data}/train.bin",
+        f"--eval_file={data}/train.bin",
+        "--seq_len=32",
+        "--batch_size=2",
+        "--matmul_dtype=float32",
+        "--steps=4",
+        "--eval_every_n_steps=0",
+        "--zero_level=3",
+        f"--log_file={out}/log.jsonl",
+        f"--out_dir={out}/model",
+    ]
+
+
+def _losses(path: str) -> list[float]:
+    with open(path) as f:
+        return [r["loss"] for r in map(json.loads, f) if r["log"] == "step"]
+
+
+def test_two_processes_match_one(tmp_path):
+    rng = np.random.default_rng(0)
+    write_shard(tmp_path / "train.bin", rng.integers(0, 256, 20000, dtype=np.int32), vocab_size=256)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    two = subprocess.run(
+        [
+            "bash",
+            os.path.join(ROOT, "launch/local.sh"),
+            "2",
+            *_flags(str(tmp_path), f"{tmp_path}/two"),
+        ],
+        env={**env, "JAXLLMQ_CPU_DEVICES": "2", "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = subprocess.run(
+        [sys.executable, "-m", "jaxllmq.main", *_flags(str(tmp_path), f"{tmp_path}/one")],
+        env={
+            **env,
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        },
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    two_losses, one_losses = (
+        _losses(f"{tmp_path}/two/log.jsonl"),
+        _losses(f"{tmp_path}/one/log.jsonl"),
+    )
+    assert len(two_losses) == 4  # process 0 alone writes the log
+    np.testing.assert_allclose(two_losses, one_losses, rtol=1e-5)
+    # The model is exported once, whole, by process 0 (gathered from both processes' shards).
+    assert os.path.exists(f"{tmp_path}/two/model/model.safetensors")
