@@ -18,8 +18,9 @@ import numpy as np
 from absl import app, flags
 
 from jaxllmq import config, train
+from jaxllmq.data.pipeline import to_global_arrays
 from jaxllmq.model.config import PRESETS, ModelConfig, load_model_config
-from jaxllmq.parallel.mesh import make_mesh
+from jaxllmq.parallel.mesh import initialize_distributed, make_mesh
 
 _bench_steps = flags.DEFINE_integer("bench_steps", 20, "Timed steps.", lower_bound=1)
 _bench_warmup = flags.DEFINE_integer(
@@ -92,8 +93,11 @@ def run_bench(
         zero_level=zero_level,
     )
     init_s = time.perf_counter() - t0
-    batch = synthetic_batch(model_cfg, grad_accumulation, rows, seq_len)
-    batch = jax.device_put(batch, built.batch_sharding)
+    # Each process supplies its own rows, as the data pipeline does.
+    local = synthetic_batch(
+        model_cfg, grad_accumulation, rows // jax.process_count(), seq_len, seed=jax.process_index()
+    )
+    batch = to_global_arrays(local, built.batch_sharding)
     t0 = time.perf_counter()
     step = built.train_step.lower(built.state, batch).compile()
     compile_s = time.perf_counter() - t0
@@ -119,11 +123,12 @@ def run_bench(
     tokens_per_s = tokens_per_step * steps / total_s
     flops = model_cfg.flops_per_token(seq_len) * tokens_per_s
     on_gpu = jax.default_backend() == "gpu"
-    peak = max((dev.memory_stats() or {}).get("peak_bytes_in_use", 0) for dev in mesh.devices.flat)
+    peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.local_devices())
     out = {
         "model": spec.model,
         "params": model_cfg.num_params(),
         "devices": n_dev,
+        "processes": jax.process_count(),
         "zero_level": zero_level,
         "tensor_parallel": tensor_parallel,
         "device_kind": jax.devices()[0].device_kind,
@@ -161,6 +166,10 @@ def main(argv: list[str]) -> None:
     if F.model is None:
         sys.exit("error: --model is required (a preset, or an HF directory)")
     F.from_scratch = F.from_scratch or F.model in PRESETS  # a preset has no weights to load
+    mesh_cfg = config.mesh_from_flags()
+    initialize_distributed(
+        mesh_cfg.coordinator_address, mesh_cfg.num_processes, mesh_cfg.process_id
+    )
     spec = config.model_spec_from_flags()
     model_cfg = load_model_config(spec.model)
     result = run_bench(
@@ -179,6 +188,8 @@ def main(argv: list[str]) -> None:
         kernels=F.kernels,
         lmhead_chunks=F.lmhead_chunks,
     )
+    if jax.process_index() != 0:
+        return
     if _json.value:
         print(json.dumps(result))
         return
