@@ -15,9 +15,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxllmq.kernels.rms_norm import rms_norm
 from jaxllmq.model.config import ModelConfig, rope_inv_freq
+from jaxllmq.model.recompute import ATT, FFN, NORM, QKV, RESID, SWIGLU, Recompute
 
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
@@ -109,25 +111,28 @@ def decoder_layer(
     w = {k: v.astype(dtype) for k, v in p.items()}
     eps = cfg.rms_norm_eps
 
-    h_BxTxD = rms_norm(x_BxTxD, w["input_layernorm"], eps, impl=norm_impl)
+    h_BxTxD = checkpoint_name(rms_norm(x_BxTxD, w["input_layernorm"], eps, impl=norm_impl), NORM)
     q = h_BxTxD @ w["q_proj"]
     k = h_BxTxD @ w["k_proj"]
     v = h_BxTxD @ w["v_proj"]
     if cfg.attention_bias:
         q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
-    q_BxTxNxH = apply_rope(q.reshape(B, T, N, H), cos_BxTxH, sin_BxTxH)
-    k_BxTxKxH = apply_rope(k.reshape(B, T, K, H), cos_BxTxH, sin_BxTxH)
-    v_BxTxKxH = v.reshape(B, T, K, H)
+    q_BxTxNxH = checkpoint_name(apply_rope(q.reshape(B, T, N, H), cos_BxTxH, sin_BxTxH), QKV)
+    k_BxTxKxH = checkpoint_name(apply_rope(k.reshape(B, T, K, H), cos_BxTxH, sin_BxTxH), QKV)
+    v_BxTxKxH = checkpoint_name(v.reshape(B, T, K, H), QKV)
     # Causal GQA: K kv heads serve N/K query heads each; cuDNN's fused kernel on GPU.
     o_BxTxNxH = jax.nn.dot_product_attention(
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True, implementation=attention
     )
-    x_BxTxD = x_BxTxD + o_BxTxNxH.reshape(B, T, N * H) @ w["o_proj"]
+    o_BxTxNxH = checkpoint_name(o_BxTxNxH, ATT)
+    x_BxTxD = checkpoint_name(x_BxTxD + o_BxTxNxH.reshape(B, T, N * H) @ w["o_proj"], RESID)
 
     h_BxTxD = rms_norm(x_BxTxD, w["post_attention_layernorm"], eps, impl=norm_impl)
-    gate_BxTxF = jax.nn.silu(h_BxTxD @ w["gate_proj"])
-    up_BxTxF = h_BxTxD @ w["up_proj"]
-    return x_BxTxD + (gate_BxTxF * up_BxTxF) @ w["down_proj"]
+    h_BxTxD = checkpoint_name(h_BxTxD, NORM)
+    gate_BxTxF = checkpoint_name(h_BxTxD @ w["gate_proj"], FFN)
+    up_BxTxF = checkpoint_name(h_BxTxD @ w["up_proj"], FFN)
+    swiglu_BxTxF = checkpoint_name(jax.nn.silu(gate_BxTxF) * up_BxTxF, SWIGLU)
+    return x_BxTxD + swiglu_BxTxF @ w["down_proj"]
 
 
 class Llama(nnx.Module):
@@ -143,7 +148,7 @@ class Llama(nnx.Module):
         scan_layers: bool = True,
         attention: str = "auto",
         norm_impl: str = "xla",
-        remat: Callable | None = None,
+        recompute: Recompute | None = None,
         constrain: Callable[[jax.Array], jax.Array] | None = None,
         gather_layer: Callable[[dict], dict] | None = None,
         init_proj_to_zero: bool = False,
@@ -153,8 +158,7 @@ class Llama(nnx.Module):
         self.scan_layers = scan_layers
         self.attention = resolve_attention(attention, dtype)
         self.norm_impl = norm_impl  # RMSNorm: "xla" or "pallas" (kernels.resolve_impl)
-        # remat: a function wrapping the per-layer function (jax.checkpoint with a policy).
-        self.remat = remat
+        self.recompute = recompute or Recompute()
         # Sharding hooks (parallel/): `constrain` pins the activations' sharding at block
         # boundaries; `gather_layer` gives one layer's weights their compute sharding (under
         # ZeRO-3 that is the per-layer all-gather).
@@ -207,8 +211,8 @@ class Llama(nnx.Module):
             )
             return self.constrain(x)
 
-        if self.remat is not None:
-            layer = self.remat(layer)
+        # Inside scan, CSE cannot merge the recomputation into the forward: no barrier needed.
+        layer = self.recompute.wrap(layer, prevent_cse=not self.scan_layers)
         stacked = self.layers.arrays()
         if self.scan_layers:
             x_BxTxD, _ = jax.lax.scan(lambda x, p: (layer(x, p), None), x_BxTxD, stacked)

@@ -1,0 +1,55 @@
+"""llmq's recompute switches as jax.checkpoint policies over named points in a decoder layer.
+
+Each switch drops its named activations from what the backward pass keeps, so they are
+recomputed from the layer's input instead: less memory, more FLOPs. llmq's implications hold:
+block => att + ffn + norm; att => qkv; ffn => swiglu. `block` keeps only each layer's input.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+
+# Names used with jax.ad_checkpoint.checkpoint_name in model/llama.py's decoder_layer.
+NORM, QKV, ATT, RESID, FFN, SWIGLU = "norm", "qkv", "att", "resid", "ffn", "swiglu"
+# What a layer keeps for its backward pass unless told to recompute it. Everything unnamed
+# (elementwise intermediates, attention's internals) is recomputed once any switch is on.
+SAVED = (NORM, QKV, ATT, RESID, FFN, SWIGLU)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recompute:
+    """Which activations the backward pass recomputes instead of storing."""
+
+    swiglu: bool = False
+    norm: bool = False
+    ffn: bool = False
+    qkv: bool = False
+    att: bool = False
+    block: bool = False
+
+    def __post_init__(self):
+        # llmq's implications, resolved once so the flags read as llmq users expect.
+        set_ = lambda name: object.__setattr__(self, name, True)
+        if self.block:
+            set_("att"), set_("ffn"), set_("norm")
+        if self.att:
+            set_("qkv")
+        if self.ffn:
+            set_("swiglu")
+
+    def names(self) -> tuple[str, ...]:
+        """The checkpoint names not saved for the backward pass."""
+        chosen = {NORM: self.norm, QKV: self.qkv, ATT: self.att, FFN: self.ffn, SWIGLU: self.swiglu}
+        return tuple(name for name, on in chosen.items() if on)
+
+    def wrap(self, layer: Callable, *, prevent_cse: bool = True) -> Callable:
+        """`layer` under jax.checkpoint with this policy (unchanged when nothing is recomputed)."""
+        if self.block:
+            policy = jax.checkpoint_policies.nothing_saveable
+        elif self.names():
+            kept = [name for name in SAVED if name not in self.names()]
+            policy = jax.checkpoint_policies.save_only_these_names(*kept)
+        else:
+            return layer
+        return jax.checkpoint(layer, policy=policy, prevent_cse=prevent_cse)
