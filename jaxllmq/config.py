@@ -142,6 +142,43 @@ _coordinator_address = flags.DEFINE_string(
 )
 _num_processes = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
 _process_id = flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
+_checkpoint_dir = flags.DEFINE_string(
+    "checkpoint_dir", None, "Where checkpoints are written, one <dir>/<step>/ each; %n = --name."
+)
+_ckpt_interval = flags.DEFINE_integer(
+    "ckpt_interval",
+    1000,
+    "Checkpoint every N steps (asynchronously; 0 = only at the end or when stopped by a signal).",
+    lower_bound=0,
+)
+_ckpt_keep_n = flags.DEFINE_integer(
+    "ckpt_keep_n",
+    3,
+    "Keep the newest N checkpoints (0 = all), besides the major ones.",
+    lower_bound=0,
+)
+_ckpt_major = flags.DEFINE_integer(
+    "ckpt_major",
+    0,
+    "Never delete a checkpoint whose step is a multiple of N (0 = none).",
+    lower_bound=0,
+)
+_continue = flags.DEFINE_string(
+    "continue",
+    None,
+    "Resume: latest (the newest complete checkpoint in --checkpoint_dir, or a fresh start if there "
+    "is none), a STEP there, or the PATH of a checkpoint (or of a directory of them).",
+)
+_new_data = flags.DEFINE_bool(
+    "new_data",
+    False,
+    "With --continue: restore weights and optimizer, but start the data pipeline over (new data).",
+)
+_save_training_state = flags.DEFINE_bool(
+    "save_training_state",
+    False,
+    "Write a checkpoint at the end of training (needs --checkpoint_dir).",
+)
 
 
 def require_training_flags() -> None:
@@ -222,6 +259,34 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and when checkpoints are written, and what to resume from (field names = flags)."""
+
+    checkpoint_dir: str | None = None
+    ckpt_interval: int = 1000  # 0 = only at the end (--save_training_state) or on a signal
+    ckpt_keep_n: int = 3  # 0 = keep all
+    ckpt_major: int = 0
+    continue_from: str | None = None  # --continue: latest | STEP | PATH
+    new_data: bool = False
+    save_training_state: bool = False
+
+    def __post_init__(self):
+        if self.ckpt_interval < 0 or self.ckpt_keep_n < 0 or self.ckpt_major < 0:
+            raise ConfigError("--ckpt_interval, --ckpt_keep_n and --ckpt_major must be >= 0")
+        c = self.continue_from
+        if c is not None and (c == "latest" or c.isdigit()) and not self.checkpoint_dir:
+            raise ConfigError(f"--continue={c} needs --checkpoint_dir (where to look)")
+        if c is not None and c != "latest" and not c.isdigit() and not os.path.isdir(c):
+            raise ConfigError(
+                f"--continue={c}: not latest, a step, nor an existing checkpoint directory"
+            )
+        if self.new_data and c is None:
+            raise ConfigError("--new_data needs --continue (it resumes weights, not data)")
+        if self.save_training_state and not self.checkpoint_dir:
+            raise ConfigError("--save_training_state needs --checkpoint_dir")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Everything a run needs, validated on construction."""
 
@@ -239,6 +304,7 @@ class TrainConfig:
     log_file: str | None = None
     name: str = "run"
     mesh: MeshConfig = MeshConfig()
+    ckpt: CheckpointConfig = CheckpointConfig()
 
     def __post_init__(self):
         if (self.steps is None) == (self.epochs is None):
@@ -295,6 +361,19 @@ def mesh_from_flags() -> MeshConfig:
     )
 
 
+def checkpoint_from_flags(name: str) -> CheckpointConfig:
+    """The CheckpointConfig from the parsed flags (%n in --checkpoint_dir is `name`)."""
+    return CheckpointConfig(
+        checkpoint_dir=substitute_name(_checkpoint_dir.value, name),
+        ckpt_interval=_ckpt_interval.value,
+        ckpt_keep_n=_ckpt_keep_n.value,
+        ckpt_major=_ckpt_major.value,
+        continue_from=substitute_name(_continue.value, name),
+        new_data=_new_data.value,
+        save_training_state=_save_training_state.value,
+    )
+
+
 def from_flags() -> TrainConfig:
     """Build the TrainConfig from the parsed absl flags (main.py calls this, once)."""
     name = _name.value
@@ -322,6 +401,7 @@ def from_flags() -> TrainConfig:
         log_file=substitute_name(_log_file.value, name),
         name=name,
         mesh=mesh_from_flags(),
+        ckpt=checkpoint_from_flags(name),
     )
 
 
