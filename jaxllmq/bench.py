@@ -139,6 +139,7 @@ def run_bench(
         "matmul_dtype": spec.matmul_dtype,
         "scan_layers": spec.scan_layers,
         "attention": spec.attention,
+        "recompute": list(spec.recompute.names()) + (["block"] if spec.recompute.block else []),
         "kernels": kernels,
         "lmhead_chunks": lmhead_chunks,
         "tokens_per_s": tokens_per_s,

@@ -10,6 +10,7 @@ from absl import flags
 
 from jaxllmq.data.shards import expand_files
 from jaxllmq.model.config import PRESETS
+from jaxllmq.model.recompute import Recompute
 from jaxllmq.optim import OptimConfig
 
 DTYPES = ("float32", "bfloat16")
@@ -40,6 +41,17 @@ _init_proj_to_zero = flags.DEFINE_bool(
 _scan_layers = flags.DEFINE_bool(
     "scan_layers", True, "Scan over stacked layers (flat compile time) instead of unrolling them."
 )
+_recompute = {
+    name: flags.DEFINE_bool(f"recompute_{name}", False, help)
+    for name, help in (
+        ("swiglu", "Recompute the SwiGLU product in backward instead of storing it."),
+        ("norm", "Recompute the RMSNorm outputs in backward."),
+        ("ffn", "Recompute the MLP's gate/up projections (implies --recompute_swiglu)."),
+        ("qkv", "Recompute the q/k/v projections in backward."),
+        ("att", "Recompute the attention output (implies --recompute_qkv)."),
+        ("block", "Recompute whole layers, keeping only their inputs (implies att, ffn, norm)."),
+    )
+}
 _attention = flags.DEFINE_enum(
     "attention", "auto", ("auto", "xla", "cudnn"), "Attention kernel; auto = cuDNN on GPU in bf16."
 )
@@ -209,6 +221,7 @@ class ModelSpec:
     init_proj_to_zero: bool = False
     scan_layers: bool = True
     attention: str = "auto"
+    recompute: Recompute = Recompute()
 
     def __post_init__(self):
         if self.from_scratch and self.model not in PRESETS and not os.path.isdir(self.model):
@@ -326,6 +339,7 @@ def model_spec_from_flags() -> ModelSpec:
         init_proj_to_zero=_init_proj_to_zero.value,
         scan_layers=_scan_layers.value,
         attention=_attention.value,
+        recompute=Recompute(**{name: holder.value for name, holder in _recompute.items()}),
     )
 
 
