@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: cuDNN-vs-XLA attention check, the 1B step benchmark (scan and unrolled), and
 # the llama-3.2-1b-pretrain flagfile for 300 steps on the quickstart corpus. Logs go to $OUT.
-# Usage: bash benchmarks/gpu_trainer.sh [attention] [bench] [pretrain]   (default: all)
+# Usage: bash benchmarks/gpu_trainer.sh [attention] [bench] [kernels] [checkpoint] [pretrain]
+# (default: attention bench pretrain)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -24,6 +25,19 @@ for scan in true false; do
   python3 -m jaxllmq.bench --model=llama-3.2-1b --batch_size=8 --seq_len=2048 \
     --scan_layers=$scan --bench_steps=20 --json 2>&1 | tail -1 | tee -a "$OUT/bench.jsonl"
 done
+fi
+
+if want kernels; then
+echo "== bench 1B, B=8 T=2048, scanned: XLA kernels vs --kernels=auto (Pallas on one GPU)"
+for k in xla auto; do
+  python3 -m jaxllmq.bench --model=llama-3.2-1b --batch_size=8 --seq_len=2048 \
+    --kernels=$k --bench_steps=20 --json 2>"$OUT/err-$k.txt" | tail -1 | tee -a "$OUT/kernels.jsonl" || tail -5 "$OUT/err-$k.txt"
+done
+fi
+
+if want checkpoint; then
+echo "== async checkpoint overhead, 1B"
+python3 benchmarks/checkpoint_overhead.py 2>&1 | tail -14 | tee "$OUT/checkpoint.txt"
 fi
 
 if want pretrain; then
