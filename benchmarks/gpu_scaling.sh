@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On an nvidia-h200-x2 machine: the 1B train step on 1 GPU (XLA and auto kernels), on 2 GPUs in
-# one process at ZeRO-1/2/3, and on 2 processes x 1 GPU (ZeRO-1, ZeRO-3); then the checkpoint
-# overhead script if present. One JSON line per run in $OUT/scaling.jsonl; a table at the end.
+# one process at ZeRO-1/2/3, and on 2 processes x 1 GPU (ZeRO-1, ZeRO-3). One JSON line per
+# run in $OUT/scaling.jsonl; a table at the end.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -24,9 +24,6 @@ for z in 1 3; do
   wait
   tail -1 "$OUT/proc0.txt" | tee -a "$OUT/scaling.jsonl"
 done
-if [[ -f benchmarks/checkpoint_overhead.py ]]; then
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/checkpoint_overhead.py 2>&1 | tail -15 | tee "$OUT/checkpoint.txt"
-fi
 python3 - "$OUT/scaling.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
