@@ -8,11 +8,10 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-common=(--model=llama-3.2-1b --batch_size=8 --seq_len=2048 --bench_steps=15 --json)
+common=(--model=llama-3.2-1b --batch_size=8 --seq_len=2048 --bench_steps=12 --json)
 bench() { python3 -m jaxllmq.bench "${common[@]}" "$@" 2>"$OUT/err.txt" | tail -1 | tee -a "$OUT/scaling.jsonl" || tail -5 "$OUT/err.txt"; }
 
 bench --gpus=1 --kernels=xla
-bench --gpus=1 --kernels=auto --measure_matmul_ceiling=false
 for z in 1 2 3; do bench --gpus=2 --zero_level=$z --measure_matmul_ceiling=false; done
 for z in 1 3; do
   port=$((20000 + RANDOM % 20000))
