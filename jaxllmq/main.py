@@ -8,6 +8,7 @@ import sys
 from absl import app
 
 from jaxllmq import config, train
+from jaxllmq.checkpoint import CheckpointError
 from jaxllmq.data.shards import ShardError
 from jaxllmq.model import CheckpointFormatError, ModelConfigError
 from jaxllmq.optim import NonFiniteError
@@ -17,8 +18,14 @@ from jaxllmq.parallel.mesh import initialize_distributed
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         sys.exit(f"error: unexpected arguments {argv[1:]} (flags are --name=value)")
-    # Bad input (flags, files, model dirs, a diverged run) ends with one line, exit 1.
-    user_errors = (config.ConfigError, ShardError, ModelConfigError, CheckpointFormatError)
+    # Bad input (flags, files, model dirs, checkpoints, a diverged run): one line, exit 1.
+    user_errors = (
+        config.ConfigError,
+        ShardError,
+        ModelConfigError,
+        CheckpointFormatError,
+        CheckpointError,
+    )
     try:
         cfg = config.from_flags()  # every config dataclass validates itself: ValueError
     except ValueError as e:

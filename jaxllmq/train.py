@@ -1,7 +1,6 @@
 """TrainState, the jitted train and eval steps, and the host loop that drives them."""
 
 import dataclasses
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -14,8 +13,10 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxllmq.checkpoint import CheckpointError, Checkpointing, Preemption
 from jaxllmq.config import ModelSpec, TrainConfig
 from jaxllmq.data.pipeline import TokenBatches, to_global_arrays
+from jaxllmq.export import tokenizer_dir
 from jaxllmq.kernels import resolve_impl
 from jaxllmq.kernels.cross_entropy import lm_head_loss
 from jaxllmq.log import RunLog
@@ -311,6 +312,13 @@ class Trainer:
         )
         self.log.record("cmd", 0, argv=argv or sys.argv)
         self.log.record("options", 0, **dataclasses.asdict(cfg))
+        # Before the build: a checkpoint that cannot be resumed is refused before device work.
+        self.ckpt = Checkpointing(
+            cfg.ckpt,
+            run={"argv": argv or sys.argv, "config": dataclasses.asdict(cfg)},
+            model=self.model_cfg.to_hf_dict(),
+            info=lambda message: self.log.info(0, message),
+        )
 
         spec = cfg.model
         self.compiled = build(
@@ -326,6 +334,8 @@ class Trainer:
             zero_level=cfg.mesh.zero_level,
         )
         self.state = self.compiled.state
+        if self.ckpt.resume is not None:
+            self._resume()
         self.batch_sharding = self.compiled.batch_sharding
         self.log.record(
             "model",
@@ -348,6 +358,27 @@ class Trainer:
             vocab_size=self.train_data.vocab_size,
             eval_files=list(d.eval_files),
         )
+
+    def _resume(self) -> None:
+        """Restore the checkpoint --continue chose: state (onto this run's shardings), the data
+        position (unless --new_data) and the outlier history."""
+        self.state = self.compiled.state = self.ckpt.restore(self.compiled.state)
+        saved = self.ckpt.resume
+        if self.cfg.ckpt.new_data:
+            self.log.info(0, "--new_data: the data pipeline starts from its beginning")
+        else:
+            try:
+                self.train_data.set_state(saved.data)
+            except ValueError as e:
+                raise CheckpointError(f"--continue: {e}") from e
+        self.log.load_state_dict(saved.log)
+
+    def _save(self, step: int) -> None:
+        """Start an asynchronous checkpoint of the state after `step`."""
+        held = self.ckpt.save(
+            step, self.state, data=self.train_data.get_state(), log=self.log.state_dict()
+        )
+        self.log.record("checkpoint", step, path=self.ckpt.path(step), blocking_ms=1000 * held)
 
     def _eval_batches(self) -> Iterator[Batch] | None:
         d = self.cfg.data
@@ -401,7 +432,22 @@ class Trainer:
         return bool(self.cfg.data.eval_files) and every > 0 and step % every == 0
 
     def run(self) -> dict[str, float]:
-        """Train to the last step, evaluate on the whole eval set, export. Returns final losses."""
+        """Train to the last step, evaluate on the whole eval set, export. Returns final losses.
+
+        With --checkpoint_dir, SIGTERM or SIGINT ends the run after the current step with a
+        checkpoint (the result then has `stopped_at`); every save started is complete on disk
+        before this returns or raises.
+        """
+        preemption = Preemption()
+        if self.ckpt.saving:
+            preemption.install()
+        try:
+            return self._run(preemption)
+        finally:
+            preemption.uninstall()
+            self.ckpt.close()
+
+    def _run(self, preemption: Preemption) -> dict[str, float]:
         pending = None  # (step, metrics) dispatched but not yet logged
         t_prev = time.perf_counter()
         for step in range(int(self.state.step) + 1, self.total_steps + 1):
@@ -413,17 +459,36 @@ class Trainer:
                 self._log_step(*pending, now - t_prev)
                 t_prev = now
             pending = (step, metrics)
-            if self._eval_due(step) and step < self.total_steps:
-                # Evaluate between steps, so neither the step times nor the eval overlap.
+            evaluate = self._eval_due(step) and step < self.total_steps
+            stop = preemption.reached(step)
+            save = stop or self.ckpt.due(step)
+            if evaluate or save:
+                # Evaluate and checkpoint between steps, so neither the step times nor the eval
+                # overlap, and a checkpoint's outlier history holds its own step.
                 self._log_step(*pending, time.perf_counter() - t_prev)
                 pending = None
-                loss, tokens = self.evaluate(self.cfg.eval_num_steps)
-                self.log.eval(step, loss=loss, tokens=tokens)
+                if evaluate:
+                    loss, tokens = self.evaluate(self.cfg.eval_num_steps)
+                    self.log.eval(step, loss=loss, tokens=tokens)
+                if save:
+                    self._save(step)  # returns once the state is in host memory
                 t_prev = time.perf_counter()
+            if stop:
+                self.ckpt.close()
+                self.log.info(
+                    step,
+                    f"stopped by {preemption.signal} after step {step}: checkpoint "
+                    f"{self.ckpt.path(step)} is complete; resume with --continue=latest",
+                )
+                self.log.close()
+                return {"train_loss": float(metrics["loss"]), "stopped_at": step}
         last_loss = float("nan")
         if pending is not None:
             self._log_step(*pending, time.perf_counter() - t_prev)
             last_loss = float(pending[1]["loss"])
+        step = int(self.state.step)
+        if self.cfg.ckpt.save_training_state and not self.ckpt.has(step):
+            self._save(step)  # written while the final evaluation and the export run
         result = {"train_loss": last_loss}
         final = self.evaluate(None)
         if final is not None:
@@ -436,17 +501,11 @@ class Trainer:
 
     def export(self, out_dir: str) -> None:
         """Write the model in HF format, with the tokenizer files of the source model or data."""
-        spec = self.cfg.model
-        tok_dir = spec.model if os.path.isdir(spec.model) else None
-        if tok_dir is None or not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
-            data_dir = os.path.dirname(self.cfg.data.train_files[0])
-            if os.path.isfile(os.path.join(data_dir, "tokenizer.json")):
-                tok_dir = data_dir
         hf.save_hf(
             out_dir,
             self.model_cfg,
             self.state.params,
-            tokenizer_dir=tok_dir,
+            tokenizer_dir=tokenizer_dir(self.cfg.model.model, self.cfg.data.train_files),
             write=jax.process_index() == 0,
         )
         self.log.info(int(self.state.step), f"exported the model to {out_dir}")
