@@ -220,6 +220,7 @@ def build(
         scan_layers=spec.scan_layers,
         attention=spec.attention,
         norm_impl=norm_impl,
+        recompute=spec.recompute,
     )
     _, abstract, axes = abstract_model(model_cfg, **model_kwargs)
     # A layer's weights are used with their tensor-parallel sharding only (gathered over fsdp).
