@@ -320,6 +320,10 @@ class Trainer:
             model=self.model_cfg.to_hf_dict(),
             info=lambda message: self.log.info(0, message),
         )
+        if self.ckpt.resume is not None and cfg.ckpt.new_data:
+            self.log.info(0, "--new_data: the data pipeline starts from its beginning")
+        elif self.ckpt.resume is not None:
+            self._resume_data()  # a data position that does not fit is refused before the build
 
         spec = cfg.model
         self.compiled = build(
@@ -364,15 +368,16 @@ class Trainer:
         """Restore the checkpoint --continue chose: state (onto this run's shardings), the data
         position (unless --new_data) and the outlier history."""
         self.state = self.compiled.state = self.ckpt.restore(self.compiled.state)
-        saved = self.ckpt.resume
+        self._resume_data()  # again: restore may have fallen back to an older checkpoint
+        self.log.load_state_dict(self.ckpt.resume.log)
+
+    def _resume_data(self) -> None:
         if self.cfg.ckpt.new_data:
-            self.log.info(0, "--new_data: the data pipeline starts from its beginning")
-        else:
-            try:
-                self.train_data.set_state(saved.data)
-            except ValueError as e:
-                raise CheckpointError(f"--continue: {e}") from e
-        self.log.load_state_dict(saved.log)
+            return
+        try:
+            self.train_data.set_state(self.ckpt.resume.data)
+        except ValueError as e:
+            raise CheckpointError(f"--continue: {e}") from e
 
     def _save(self, step: int) -> None:
         """Start an asynchronous checkpoint of the state after `step`."""

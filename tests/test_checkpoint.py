@@ -127,6 +127,20 @@ def test_resume_is_bit_exact(shards, cache, reference, tmp_path):
     # grad accumulation.
     assert [r["step"] for r in _records(out)] == list(range(1, 9))
     assert _steps(out) == reference["steps"]
+    assert [r["step"] for r in _records(out, "checkpoint")] == [4]
+
+
+def test_new_data_is_needed_to_resume_onto_other_data(shards, cache, reference, tmp_path):
+    args = _flags(shards, str(tmp_path), "--steps=9", f"--continue={reference['ckpt']}/8")
+    refused = _run(args + ["--train_seed=7"], cache)
+    assert refused.returncode == 1
+    assert "error: --continue: the saved data position does not fit" in refused.stderr
+    assert "seed: saved 42, now 7" in refused.stderr and "Traceback" not in refused.stderr
+    resumed = _run(args + ["--train_seed=7", "--new_data"], cache)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "--new_data: the data pipeline starts from its beginning" in resumed.stdout
+    assert "--train_seed: 42 -> 7" in resumed.stdout
+    assert list(_steps(str(tmp_path))) == [9]
 
 
 def test_sigterm_leaves_a_checkpoint_and_resuming_matches(shards, cache, reference, tmp_path):
