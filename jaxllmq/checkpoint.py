@@ -314,8 +314,8 @@ MEANING = {
 }
 # On/off switches that add or remove a part of the optimizer state.
 STRUCTURE = {("optim", "grad_clip"): "--grad_clip", ("optim", "weight_decay"): "--weight_decay"}
-# How this process was asked to resume: not a change of the run.
-_IGNORED = {("ckpt", "continue_from"), ("ckpt", "new_data")}
+# How this process was asked to resume, and where its peers meet: not a change of the run.
+_IGNORED = {("ckpt", "continue_from"), ("ckpt", "new_data"), ("mesh", "coordinator_address")}
 _FLAG_NAMES = {"train_files": "train_file", "eval_files": "eval_file"}
 
 
