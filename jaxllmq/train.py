@@ -150,6 +150,22 @@ def _dtype(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
+def _device_records() -> list[dict]:
+    """This process's devices: kind, platform and memory (what the allocator reports)."""
+    out = []
+    for d in jax.local_devices():
+        stats = d.memory_stats() or {}
+        out.append(
+            {
+                "id": d.id,
+                "kind": d.device_kind,
+                "platform": d.platform,
+                "memory_gib": stats.get("bytes_limit", 0) / 2**30 or None,
+            }
+        )
+    return out
+
+
 def init_params(
     spec: ModelSpec, model_cfg: ModelConfig, abstract: dict, shardings: dict, seed: int
 ) -> dict:
@@ -354,6 +370,7 @@ class Trainer:
             processes=jax.process_count(),
             jax_version=jax.__version__,
         )
+        self.log.record("gpu", 0, devices=_device_records())
         self.log.record(
             "dataset",
             0,

@@ -72,7 +72,9 @@ def test_train_end_to_end(shards, tmp_path):
     with open(tmp_path / "e2e" / "log.jsonl") as f:
         records = [json.loads(line) for line in f]
     kinds = {r["log"] for r in records}
-    assert {"cmd", "options", "model", "dataset", "step", "eval"} <= kinds
+    assert {"cmd", "options", "model", "gpu", "dataset", "step", "eval"} <= kinds
+    (gpu,) = [r for r in records if r["log"] == "gpu"]
+    assert len(gpu["devices"]) == 8 and gpu["devices"][0]["platform"] == "cpu"
     assert all({"log", "time", "step"} <= r.keys() for r in records)
     steps = [r for r in records if r["log"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, 31))
