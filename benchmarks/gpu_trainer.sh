@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: cuDNN-vs-XLA attention check, the 1B step benchmark (scan and unrolled), and
 # the llama-3.2-1b-pretrain flagfile for 300 steps on the quickstart corpus. Logs go to $OUT.
-# Usage: bash benchmarks/gpu_trainer.sh [attention] [bench] [kernels] [checkpoint] [pretrain]
+# Usage: bash benchmarks/gpu_trainer.sh [attention] [bench] [kernels] [checkpoint] [speed] [pretrain]
 # (default: attention bench pretrain)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -38,6 +38,16 @@ fi
 if want checkpoint; then
 echo "== async checkpoint overhead, 1B"
 python3 benchmarks/checkpoint_overhead.py 2>&1 | tail -14 | tee "$OUT/checkpoint.txt"
+fi
+
+if want speed; then
+echo "== issue 8: peer (transformers + torch.compile, bf16) and jaxllmq variants, 1B, B=8 T=2048"
+timeout 240 python3 benchmarks/peer_torch.py --model=llama-3.2-1b 2>"$OUT/err-peer.txt" | tail -1 | tee -a "$OUT/speed.jsonl" || tail -5 "$OUT/err-peer.txt"
+for variant in "--noscan_layers" "--model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16" \
+               "--noscan_layers --model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16"; do
+  python3 -m jaxllmq.bench --model=llama-3.2-1b --batch_size=8 --seq_len=2048 --bench_steps=20 \
+    --measure_matmul_ceiling=false --json $variant 2>"$OUT/err-speed.txt" | tail -1 | tee -a "$OUT/speed.jsonl" || tail -5 "$OUT/err-speed.txt"
+done
 fi
 
 if want pretrain; then
