@@ -19,6 +19,7 @@ from absl import app, flags
 
 from jaxllmq import config, train
 from jaxllmq.data.pipeline import to_global_arrays
+from jaxllmq.log import PEAK_FLOPS_BF16
 from jaxllmq.model.config import PRESETS, ModelConfig, load_model_config
 from jaxllmq.parallel.mesh import initialize_distributed, make_mesh
 
@@ -146,7 +147,7 @@ def run_bench(
         "step_ms_mean": 1000 * total_s / steps,
         "step_ms_median": 1000 * statistics.median(per_step),
         "step_ms_stdev": 1000 * statistics.pstdev(per_step),
-        "mfu_spec": flops / (train.GPU_PEAK_FLOPS * n_dev) if on_gpu else None,
+        "mfu_spec": flops / (PEAK_FLOPS_BF16 * n_dev) if on_gpu else None,
         "peak_memory_gib_per_device": peak / 2**30 or None,
         "compile_s": compile_s,
         "init_s": init_s,

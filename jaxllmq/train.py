@@ -19,7 +19,7 @@ from jaxllmq.data.pipeline import TokenBatches, to_global_arrays
 from jaxllmq.export import tokenizer_dir
 from jaxllmq.kernels import resolve_impl
 from jaxllmq.kernels.cross_entropy import lm_head_loss
-from jaxllmq.log import RunLog
+from jaxllmq.log import PEAK_FLOPS_BF16, RunLog
 from jaxllmq.model import hf
 from jaxllmq.model.config import ModelConfig, load_model_config
 from jaxllmq.model.llama import Llama, abstract_model, params_of
@@ -33,9 +33,6 @@ from jaxllmq.optim import (
 from jaxllmq.parallel import rules
 from jaxllmq.parallel.mesh import BATCH_AXES, TENSOR, batch_sharding, make_mesh, replicated
 from jaxllmq.parallel.rules import check_tensor_parallel
-
-# Peak dense bf16 FLOP/s of one H100/H200 (spec), the MFU denominator DESIGN.md fixes.
-GPU_PEAK_FLOPS = 989e12
 
 
 @flax.struct.dataclass
@@ -146,10 +143,6 @@ def make_eval_step(
     return eval_step
 
 
-def _dtype(name: str):
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
-
-
 def _device_records() -> list[dict]:
     """This process's devices: kind, platform and memory (what the allocator reports)."""
     out = []
@@ -182,7 +175,7 @@ def init_params(
         model = Llama(
             model_cfg,
             rngs=nnx.Rngs(seed),
-            param_dtype=_dtype(spec.model_dtype),
+            param_dtype=jnp.dtype(spec.model_dtype),
             init_proj_to_zero=spec.init_proj_to_zero,
         )
         return params_of(model)
@@ -231,8 +224,8 @@ def build(
     norm_impl = resolve_impl(kernels, "rms_norm", num_devices=mesh.size)
     loss_impl = resolve_impl(kernels, "lm_head_loss", num_devices=mesh.size)
     model_kwargs = dict(
-        param_dtype=_dtype(spec.model_dtype),
-        dtype=_dtype(spec.matmul_dtype),
+        param_dtype=jnp.dtype(spec.model_dtype),
+        dtype=jnp.dtype(spec.matmul_dtype),
         scan_layers=spec.scan_layers,
         attention=spec.attention,
         norm_impl=norm_impl,
@@ -324,7 +317,7 @@ class Trainer:
             cfg.log_file,
             total_steps=self.total_steps,
             flops_per_token=self.model_cfg.flops_per_token(d.seq_len),
-            peak_flops=GPU_PEAK_FLOPS * n_dev if on_gpu else 0.0,
+            peak_flops=PEAK_FLOPS_BF16 * n_dev if on_gpu else 0.0,
             is_main=jax.process_index() == 0,
         )
         self.log.record("cmd", 0, argv=argv or sys.argv)
