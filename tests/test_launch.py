@@ -1,4 +1,5 @@
-"""Multi-process on CPU: launch/local.sh with 2 processes x 2 devices trains like 1 x 4."""
+"""Multi-process on CPU: launch/local.sh with 2 processes x 2 devices trains like 1 x 4, and
+its checkpoint resumes in one process."""
 
 import json
 import os
@@ -12,7 +13,7 @@ from jaxllmq.data.shards import write_shard
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _flags(data: str, out: str) -> list[str]:
+def _flags(data: str, out: str, steps: int = 4) -> list[str]:
     return [
         "--model=tiny",
         "--from_scratch",
@@ -21,7 +22,9 @@ def _flags(data: str, out: str) -> list[str]:
         "--seq_len=32",
         "--batch_size=2",
         "--matmul_dtype=float32",
-        "--steps=4",
+        f"--steps={steps}",
+        "--lr_schedule=wsd",  # a constant lr: a run stopped early trains like a longer one
+        "--final_lr_fraction=1",
         "--eval_every_n_steps=0",
         "--zero_level=3",
         f"--log_file={out}/log.jsonl",
@@ -34,16 +37,24 @@ def _losses(path: str) -> list[float]:
         return [r["loss"] for r in map(json.loads, f) if r["log"] == "step"]
 
 
-def test_two_processes_match_one(tmp_path):
+def test_two_processes_match_one_and_resume_in_one(tmp_path):
     rng = np.random.default_rng(0)
     write_shard(tmp_path / "train.bin", rng.integers(0, 256, 20000, dtype=np.int32), vocab_size=256)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    one_env = {
+        **env,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    }
+    ckpt = [f"--checkpoint_dir={tmp_path}/ckpt", "--save_training_state", "--ckpt_interval=0"]
     two = subprocess.run(
         [
             "bash",
             os.path.join(ROOT, "launch/local.sh"),
             "2",
-            *_flags(str(tmp_path), f"{tmp_path}/two"),
+            *_flags(str(tmp_path), f"{tmp_path}/two", 6),
+            *ckpt,
+            "--steps=4",
         ],
         env={**env, "JAXLLMQ_CPU_DEVICES": "2", "PYTHON": sys.executable},
         capture_output=True,
@@ -52,12 +63,8 @@ def test_two_processes_match_one(tmp_path):
     )
     assert two.returncode == 0, two.stderr[-3000:]
     one = subprocess.run(
-        [sys.executable, "-m", "jaxllmq.main", *_flags(str(tmp_path), f"{tmp_path}/one")],
-        env={
-            **env,
-            "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        },
+        [sys.executable, "-m", "jaxllmq.main", *_flags(str(tmp_path), f"{tmp_path}/one", 6)],
+        env=one_env,
         capture_output=True,
         text=True,
         timeout=600,
@@ -68,6 +75,23 @@ def test_two_processes_match_one(tmp_path):
         _losses(f"{tmp_path}/one/log.jsonl"),
     )
     assert len(two_losses) == 4  # process 0 alone writes the log
-    np.testing.assert_allclose(two_losses, one_losses, rtol=1e-5)
+    np.testing.assert_allclose(two_losses, one_losses[:4], rtol=1e-5)
     # The model is exported once, whole, by process 0 (gathered from both processes' shards).
     assert os.path.exists(f"{tmp_path}/two/model/model.safetensors")
+    # The two-process run's checkpoint (written collectively) resumes in one process.
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxllmq.main",
+            *_flags(str(tmp_path), f"{tmp_path}/two", 6),
+            *ckpt,
+            "--continue=latest",
+        ],
+        env=one_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    np.testing.assert_allclose(_losses(f"{tmp_path}/two/log.jsonl")[4:], one_losses[4:], rtol=1e-5)
