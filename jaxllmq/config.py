@@ -6,7 +6,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from absl import flags
+from absl import flags, logging
 
 from jaxllmq.data.shards import expand_files
 from jaxllmq.model.config import PRESETS
@@ -437,7 +437,11 @@ def parse_argv(argv: list[str]) -> list[str]:
     """absl flags_parser: flagfiles expanded, dashed spellings normalized; exit 1 on bad flags."""
     argv = flags.FLAGS.read_flags_from_files(argv, force_gnu=False)
     try:
-        return flags.FLAGS(normalize_dashes(argv))
+        argv = flags.FLAGS(normalize_dashes(argv))
+        if not flags.FLAGS["verbosity"].present:
+            # jax's INFO lines (backend probing) would drown the step lines; --verbosity=0 shows them.
+            logging.set_verbosity(logging.WARNING)
+        return argv
     except flags.Error as e:
         print(f"FATAL Flags parsing error: {e}", file=sys.stderr)
         print("Pass --helpfull to see help on flags.", file=sys.stderr)
