@@ -1,0 +1,231 @@
+"""Training curves from one or more run logs: `python -m jaxllmq.plot LOG [LOG ...] --out=curves.png`.
+
+Panels: train loss (raw, faint, and an exponential moving average) with eval loss, learning rate,
+grad norm and tokens/s, against step (default) or against tokens trained (`--x=tokens`). Several
+runs are overlaid, one color each, named by their file (or `--names`).
+
+Reads jaxllmq's JSON Lines log (DESIGN.md's Log contract) and llmq's log, which is one JSON array of
+records. The llmq reader assumes its records carry the keys ours do (`log` kind "step" / "eval",
+`step`, `loss`, `norm`, `lr`, and tokens per step as `tokens` or `step_tokens`, with `duration_ms`
+when `tokens_per_s` is absent); records of other kinds, and keys a log lacks, are skipped, so a
+panel a log has no data for is left without that run's line.
+"""
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Sequence
+
+import numpy as np
+from absl import app, flags
+
+_out = flags.DEFINE_string("out", "curves.png", "Where to write the PNG.")
+_names = flags.DEFINE_list("names", None, "Run names for the legend, one per log (default: file).")
+_x = flags.DEFINE_enum("x", "step", ("step", "tokens"), "The x-axis: step or tokens trained.")
+_smooth = flags.DEFINE_float(
+    "smooth", 0.9, "EMA weight of the smoothed train loss (0 = none).", lower_bound=0, upper_bound=1
+)
+_width = flags.DEFINE_float("width", 12.0, "Figure width in inches.", lower_bound=1)
+_height = flags.DEFINE_float("height", 8.0, "Figure height in inches.", lower_bound=1)
+_dpi = flags.DEFINE_integer("dpi", 100, "Dots per inch of the PNG.", lower_bound=10)
+
+
+@dataclasses.dataclass
+class Series:
+    """One run's curves, as arrays over its step records (eval over its eval records)."""
+
+    name: str
+    step: np.ndarray
+    tokens: np.ndarray  # tokens trained up to and including each step
+    loss: np.ndarray
+    norm: np.ndarray
+    lr: np.ndarray
+    tokens_per_s: np.ndarray
+    eval_step: np.ndarray
+    eval_tokens: np.ndarray  # tokens trained at each eval's step
+    eval_loss: np.ndarray
+
+
+def _num(x) -> float:
+    """A record's value as a float; NaN for missing or non-numeric ("NaN" strings read back)."""
+    if x is None or isinstance(x, bool):
+        return math.nan
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def read_records(path: str) -> list[dict]:
+    """The records of a log: a JSON array (llmq) or JSON Lines (jaxllmq; a torn last line from a
+    crash is skipped)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            # A JSON-array log cut short by a crash: keep the records before the cut.
+            cut = text.rstrip().rstrip(",")
+            data = json.loads(cut[: cut.rfind("}") + 1] + "]")
+        return [r for r in data if isinstance(r, dict)]
+    records = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            records.append(rec)
+    return records
+
+
+def load(path: str, name: str | None = None) -> Series:
+    """One run's curves from its log; a resumed run's repeated steps keep their last record."""
+    steps: dict[int, dict] = {}
+    evals: dict[int, float] = {}
+    for r in read_records(path):
+        if "step" not in r:
+            continue
+        step = int(r["step"])
+        if r.get("log") == "step":
+            steps[step] = r
+        elif r.get("log") == "eval":
+            evals[step] = _num(r.get("loss"))
+    order = sorted(steps)
+    recs = [steps[s] for s in order]
+    step_tokens = np.array([_num(r.get("tokens", r.get("step_tokens"))) for r in recs])
+    tokens = np.nancumsum(step_tokens) if len(recs) else np.zeros(0)
+    tps = []
+    for r, t in zip(recs, step_tokens, strict=True):
+        v = _num(r.get("tokens_per_s"))
+        if math.isnan(v):
+            ms = _num(r.get("duration_ms"))
+            v = t / (ms / 1000) if ms > 0 else math.nan
+        tps.append(v)
+    eval_steps = sorted(evals)
+    # Tokens at an eval: those trained by the last step record at or before it.
+    idx = np.searchsorted(np.array(order), np.array(eval_steps), side="right") - 1
+    eval_tokens = [tokens[i] if i >= 0 else 0.0 for i in idx]
+    return Series(
+        name=name or _default_names([path])[0],
+        step=np.array(order, dtype=float),
+        tokens=tokens,
+        loss=np.array([_num(r.get("loss")) for r in recs]),
+        norm=np.array([_num(r.get("norm")) for r in recs]),
+        lr=np.array([_num(r.get("lr")) for r in recs]),
+        tokens_per_s=np.array(tps),
+        eval_step=np.array(eval_steps, dtype=float),
+        eval_tokens=np.asarray(eval_tokens, dtype=float),
+        eval_loss=np.array([evals[s] for s in eval_steps]),
+    )
+
+
+def ema(x: np.ndarray, weight: float) -> np.ndarray:
+    """Bias-corrected exponential moving average (TensorBoard's smoothing); NaNs are skipped."""
+    out = np.full_like(x, np.nan, dtype=float)
+    acc, norm = 0.0, 0.0
+    for i, v in enumerate(x):
+        if math.isfinite(v):
+            acc = weight * acc + (1 - weight) * v
+            norm = weight * norm + (1 - weight)
+        if norm > 0:
+            out[i] = acc / norm
+    return out
+
+
+def _default_names(paths: Sequence[str]) -> list[str]:
+    """The file name without extension, or its folder's name for the generic `log.jsonl`."""
+    names = []
+    for p in paths:
+        stem = os.path.splitext(os.path.basename(p))[0]
+        folder = os.path.basename(os.path.dirname(os.path.abspath(p)))
+        names.append(folder if stem in ("log", "train") and folder else stem)
+    if len(set(names)) < len(names):
+        names = list(paths)  # ambiguous: the paths themselves
+    return names
+
+
+def plot(
+    runs: Sequence[Series],
+    out: str,
+    *,
+    x: str = "step",
+    smooth: float = 0.9,
+    size: tuple[float, float] = (12.0, 8.0),
+    dpi: int = 100,
+) -> None:
+    """Draw the runs' curves into a PNG at `out` (matplotlib's Agg backend: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=size, dpi=dpi, sharex=True)
+    ax_loss, ax_lr, ax_norm, ax_tps = axes.flat
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, s in enumerate(runs):
+        c = colors[i % len(colors)]
+        xs = s.step if x == "step" else s.tokens
+        exs = s.eval_step if x == "step" else s.eval_tokens
+        raw_alpha = 0.3 if smooth > 0 else 1.0
+        ax_loss.plot(xs, s.loss, color=c, alpha=raw_alpha, lw=0.8)
+        if smooth > 0:
+            ax_loss.plot(xs, ema(s.loss, smooth), color=c, lw=1.5, label=f"{s.name} train")
+        else:
+            ax_loss.lines[-1].set_label(f"{s.name} train")
+        if len(s.eval_loss):
+            ax_loss.plot(exs, s.eval_loss, "o--", color=c, ms=4, label=f"{s.name} eval")
+        ax_lr.plot(xs, s.lr, color=c, label=s.name)
+        ax_norm.plot(xs, s.norm, color=c, lw=0.8, label=s.name)
+        ax_tps.plot(xs, s.tokens_per_s, color=c, lw=0.8, label=s.name)
+    titles = {
+        ax_loss: "loss (faint: raw; solid: smoothed; dashed: eval)" if smooth > 0 else "loss",
+        ax_lr: "learning rate",
+        ax_norm: "grad norm (before clipping)",
+        ax_tps: "tokens/s",
+    }
+    for ax, title in titles.items():
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    for ax in axes[1]:
+        ax.set_xlabel("step" if x == "step" else "tokens trained")
+    fig.tight_layout()
+    parent = os.path.dirname(out)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> None:
+    paths = argv[1:]
+    if not paths:
+        raise app.UsageError("give one or more log files: python -m jaxllmq.plot LOG [LOG ...]")
+    names = _names.value or _default_names(paths)
+    if len(names) != len(paths):
+        raise app.UsageError(f"--names has {len(names)} names for {len(paths)} logs")
+    runs = [load(p, n) for p, n in zip(paths, names, strict=True)]
+    for p, r in zip(paths, runs, strict=True):
+        if not len(r.step):
+            raise app.UsageError(f"{p}: no step records")
+    plot(
+        runs,
+        _out.value,
+        x=_x.value,
+        smooth=_smooth.value,
+        size=(_width.value, _height.value),
+        dpi=_dpi.value,
+    )
+    print(f"wrote {_out.value}")
+
+
+if __name__ == "__main__":
+    app.run(main)
