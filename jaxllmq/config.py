@@ -127,6 +127,19 @@ _out_dir = flags.DEFINE_string(
     "out_dir", None, "Where the trained model is exported (HF format); %n = --name."
 )
 _log_file = flags.DEFINE_string("log_file", None, "JSON Lines log (appended); %n = --name.")
+_tensorboard_dir = flags.DEFINE_string(
+    "tensorboard_dir",
+    None,
+    "Also write the step and eval scalars as TensorBoard event files here (needs the "
+    "`tensorboard` extra: tensorboardX); %n = --name.",
+)
+_log_gpu_util = flags.DEFINE_integer(
+    "log_gpu_util",
+    100,
+    "Log a `gpu` record (device memory; NVML utilization, clocks, power, temperature where "
+    "available) every N steps (0 = only at start).",
+    lower_bound=0,
+)
 _name = flags.DEFINE_string("name", "run", "Run name, substituted for %n in paths.")
 _gpus = flags.DEFINE_integer(
     "gpus", 0, "Use this many local devices per process (0 = all).", lower_bound=0
@@ -315,6 +328,8 @@ class TrainConfig:
     eval_num_steps: int = 20
     out_dir: str | None = None
     log_file: str | None = None
+    tensorboard_dir: str | None = None
+    log_gpu_util: int = 100
     name: str = "run"
     mesh: MeshConfig = MeshConfig()
     ckpt: CheckpointConfig = CheckpointConfig()
@@ -413,6 +428,8 @@ def from_flags() -> TrainConfig:
         eval_num_steps=_eval_num_steps.value,
         out_dir=substitute_name(_out_dir.value, name),
         log_file=substitute_name(_log_file.value, name),
+        tensorboard_dir=substitute_name(_tensorboard_dir.value, name),
+        log_gpu_util=_log_gpu_util.value,
         name=name,
         mesh=mesh_from_flags(),
         ckpt=checkpoint_from_flags(name),

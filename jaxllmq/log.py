@@ -2,7 +2,8 @@
 progress bar on a terminal, MFU, and loss / grad-norm outlier messages by running z-score.
 
 Dependency-free on purpose (stdlib + numpy): the host loop calls it with Python floats, and tools
-(plot, bench) can read what it writes without jax.
+(plot, bench) can read what it writes without jax. The optional TensorBoard sink imports tensorboardX
+only when asked for.
 """
 
 import collections
@@ -90,6 +91,19 @@ class _ZScore:
         return (x - mean) / std, mean, std
 
 
+def _tensorboard_writer(logdir: str) -> Any:
+    """A tensorboardX SummaryWriter on `logdir`, or an error that says what to install."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError as e:
+        raise ImportError(
+            "--tensorboard_dir needs tensorboardX: pip install 'jaxllmq[tensorboard]' "
+            "(or pip install tensorboardX)"
+        ) from e
+    # Flush every 30 s: TensorBoard shows a live run, and a crash loses at most that much.
+    return SummaryWriter(logdir=logdir, flush_secs=30)
+
+
 class RunLog:
     """The run's console output and JSON Lines log; only the main process writes either.
 
@@ -112,6 +126,7 @@ class RunLog:
         outlier_warmup: int = 20,
         outlier_z: float = 4.0,
         eta_window: int = 20,
+        tensorboard_dir: str | None = None,
     ):
         self.total_steps = total_steps
         self.flops_per_token = flops_per_token
@@ -133,6 +148,7 @@ class RunLog:
                 os.makedirs(parent, exist_ok=True)
             self._fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             self._end_partial_line(log_file)
+        self._tb = _tensorboard_writer(tensorboard_dir) if is_main and tensorboard_dir else None
 
     def _end_partial_line(self, path: str) -> None:
         # A crash in the middle of a write (or a copy cut short) can leave a last line without
@@ -188,6 +204,10 @@ class RunLog:
             mfu=util if self.peak_flops > 0 else None,
             **extra,
         )
+        scalars = {"loss": loss, "norm": norm, "lr": lr, "tokens_per_s": tokens_per_s}
+        if self.peak_flops > 0:
+            scalars["mfu"] = util
+        self._scalars("train", step, scalars)
         if duration_ms > 0:
             self._durations.append(duration_ms / 1000)
         eta = statistics.median(self._durations) * max(self.total_steps - step, 0)
@@ -234,6 +254,7 @@ class RunLog:
     def eval(self, step: int, *, loss: float, tokens: int, **extra: Any) -> None:
         """Log an evaluation: the JSONL `eval` record and a console line."""
         self.record("eval", step, loss=loss, tokens=tokens, **extra)
+        self._scalars("eval", step, {"loss": loss})
         if self.is_main:
             self._print(f"eval step {step}/{self.total_steps} | loss {loss:.4f} | {tokens} tokens")
 
@@ -242,6 +263,13 @@ class RunLog:
         self.record("info", step, message=message, **extra)
         if self.is_main:
             self._print(message)
+
+    def _scalars(self, prefix: str, step: int, values: dict[str, float]) -> None:
+        if self._tb is None:
+            return
+        for name, value in values.items():
+            if math.isfinite(value):  # TensorBoard charts break on NaN/inf; the JSONL keeps them
+                self._tb.add_scalar(f"{prefix}/{name}", value, step)
 
     def _print(self, text: str) -> None:
         # On a terminal, a permanent line goes above the progress bar, which is then redrawn.
@@ -272,6 +300,9 @@ class RunLog:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
 
     def __enter__(self) -> "RunLog":
         return self

@@ -33,6 +33,7 @@ from jaxllmq.optim import (
 from jaxllmq.parallel import rules
 from jaxllmq.parallel.mesh import BATCH_AXES, TENSOR, batch_sharding, make_mesh, replicated
 from jaxllmq.parallel.rules import check_tensor_parallel
+from jaxllmq.telemetry import Nvml, device_records
 
 
 @flax.struct.dataclass
@@ -141,22 +142,6 @@ def make_eval_step(
         return aux["ce_sum"], jnp.sum(micro["loss_mask"], dtype=jnp.int32)
 
     return eval_step
-
-
-def _device_records() -> list[dict]:
-    """This process's devices: kind, platform and memory (what the allocator reports)."""
-    out = []
-    for d in jax.local_devices():
-        stats = d.memory_stats() or {}
-        out.append(
-            {
-                "id": d.id,
-                "kind": d.device_kind,
-                "platform": d.platform,
-                "memory_gib": stats.get("bytes_limit", 0) / 2**30 or None,
-            }
-        )
-    return out
 
 
 def init_params(
@@ -319,7 +304,10 @@ class Trainer:
             flops_per_token=self.model_cfg.flops_per_token(d.seq_len),
             peak_flops=PEAK_FLOPS_BF16 * n_dev if on_gpu else 0.0,
             is_main=jax.process_index() == 0,
+            tensorboard_dir=cfg.tensorboard_dir,
         )
+        # NVML only where this process logs: other processes' telemetry would not be written.
+        self.nvml = Nvml() if self.log.is_main else None
         self.log.record("cmd", 0, argv=argv or sys.argv)
         self.log.record("options", 0, **dataclasses.asdict(cfg))
         # Before the build: a checkpoint that cannot be resumed is refused before device work.
@@ -363,7 +351,7 @@ class Trainer:
             processes=jax.process_count(),
             jax_version=jax.__version__,
         )
-        self.log.record("gpu", 0, devices=_device_records())
+        self._log_gpu(0)
         self.log.record(
             "dataset",
             0,
@@ -442,6 +430,15 @@ class Trainer:
         if int(m["nonfinite"]) > 0:
             self.log.info(step, f"step {step}: non-finite gradients, update skipped")
         check_nonfinite(self.cfg.optim, step, int(m["nonfinite"]), int(m["nonfinite_total"]))
+        every = self.cfg.log_gpu_util
+        if every > 0 and step % every == 0:
+            self._log_gpu(step)
+
+    def _log_gpu(self, step: int) -> None:
+        """A `gpu` record: each local device's kind, memory (in use, peak, limit) and NVML fields.
+        Host-side reads only (allocator stats, NVML): no device sync."""
+        if self.log.is_main:
+            self.log.record("gpu", step, devices=device_records(jax.local_devices(), self.nvml))
 
     def _eval_due(self, step: int) -> bool:
         every = self.cfg.eval_every_n_steps

@@ -219,3 +219,67 @@ def test_no_log_file_still_prints(tmp_path):
     log.close()
     assert out.getvalue().startswith("step 1/5 | loss 1.0000")
     assert list(tmp_path.iterdir()) == []
+
+
+def read_tensorboard_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value), ...]} from the event files under `logdir` (TFRecord framing:
+    u64 length, u32 crc, the Event proto, u32 crc)."""
+    import glob
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    files = sorted(glob.glob(f"{logdir}/**/events.out.tfevents.*", recursive=True))
+    assert files, f"no event files under {logdir}"
+    for path in files:
+        data = open(path, "rb").read()
+        pos = 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + n])
+            pos += 12 + n + 4
+            for v in event.summary.value:
+                out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out
+
+
+def test_tensorboard_sink_has_the_scalars(tmp_path):
+    tb = tmp_path / "tb"
+    log = RunLog(
+        str(tmp_path / "log.jsonl"),
+        total_steps=3,
+        flops_per_token=1e9,
+        peak_flops=1e12,
+        stream=io.StringIO(),
+        tensorboard_dir=str(tb),
+    )
+    for s in (1, 2, 3):
+        log.step(s, loss=4.0 - s, norm=0.5 * s, lr=1e-3 * s, tokens=1000, duration_ms=100.0)
+    log.step(4, loss=math.nan, norm=1.0, lr=1e-3, tokens=1000, duration_ms=100.0)
+    log.eval(3, loss=2.5, tokens=512)
+    log.close()
+    scalars = read_tensorboard_scalars(tb)
+    assert scalars["train/loss"] == [(1, 3.0), (2, 2.0), (3, 1.0)]  # NaN left to the JSONL
+    assert [s for s, _ in scalars["train/norm"]] == [1, 2, 3, 4]
+    np.testing.assert_allclose(
+        [v for _, v in scalars["train/lr"]], [1e-3, 2e-3, 3e-3, 1e-3], rtol=1e-6
+    )
+    np.testing.assert_allclose([v for _, v in scalars["train/tokens_per_s"]], 1e4, rtol=1e-6)
+    np.testing.assert_allclose([v for _, v in scalars["train/mfu"]], 1e9 * 1e4 / 1e12, rtol=1e-6)
+    assert scalars["eval/loss"] == [(3, 2.5)]
+
+
+def test_tensorboard_missing_names_the_extra(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_tensorboardx(name, *args, **kwargs):
+        if name.startswith("tensorboardX"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboardx)
+    with pytest.raises(ImportError, match=r"jaxllmq\[tensorboard\]"):
+        RunLog(None, total_steps=1, flops_per_token=0, tensorboard_dir=str(tmp_path))

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 import transformers
+from test_log import read_tensorboard_scalars
 
 from jaxllmq.data.shards import write_shard
 
@@ -67,14 +68,19 @@ def test_train_end_to_end(shards, tmp_path):
     flagfile = tmp_path / "run.flags"
     flagfile.write_text("\n".join(_flags(shards, str(tmp_path))) + "\n--steps=5\n")
     # The flagfile says 5 steps; the later command-line flag wins.
-    proc = _run(f"--flagfile={flagfile}", "--steps=30")
+    tb = tmp_path / "tb"
+    proc = _run(
+        f"--flagfile={flagfile}", "--steps=30", "--log_gpu_util=10", f"--tensorboard_dir={tb}"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(tmp_path / "e2e" / "log.jsonl") as f:
         records = [json.loads(line) for line in f]
     kinds = {r["log"] for r in records}
     assert {"cmd", "options", "model", "gpu", "dataset", "step", "eval"} <= kinds
-    (gpu,) = [r for r in records if r["log"] == "gpu"]
-    assert len(gpu["devices"]) == 8 and gpu["devices"][0]["platform"] == "cpu"
+    gpus = [r for r in records if r["log"] == "gpu"]
+    assert [r["step"] for r in gpus] == [0, 10, 20, 30]  # at start, then every --log_gpu_util
+    for gpu in gpus:
+        assert len(gpu["devices"]) == 8 and gpu["devices"][0]["platform"] == "cpu"
     assert all({"log", "time", "step"} <= r.keys() for r in records)
     steps = [r for r in records if r["log"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, 31))
@@ -84,6 +90,9 @@ def test_train_end_to_end(shards, tmp_path):
     assert [r["step"] for r in evals] == [10, 20, 30]
     assert evals[-1]["loss"] < evals[0]["loss"] - 0.5 < np.log(VOCAB)
     assert steps[-1]["loss"] < steps[0]["loss"] - 1.0
+    scalars = read_tensorboard_scalars(tb)
+    assert [s for s, _ in scalars["train/loss"]] == list(range(1, 31))
+    assert [s for s, _ in scalars["eval/loss"]] == [10, 20, 30]
 
     model_dir = tmp_path / "e2e" / "model"
     assert (model_dir / "tokenizer.json").exists()
