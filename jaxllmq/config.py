@@ -123,6 +123,20 @@ _eval_every_n_steps = flags.DEFINE_integer(
 _eval_num_steps = flags.DEFINE_integer(
     "eval_num_steps", 20, "Batches per periodic evaluation (the final one uses all).", lower_bound=1
 )
+_sample_every_n_steps = flags.DEFINE_integer(
+    "sample_every_n_steps",
+    0,
+    "Log greedy continuations of --sample_prompts every N steps (0 = never); needs the tokenizer.",
+    lower_bound=0,
+)
+_sample_prompts = flags.DEFINE_string(
+    "sample_prompts",
+    "def ,import ",
+    "Prompts for --sample_every_n_steps: comma-separated, or a file with one prompt per line.",
+)
+_sample_max_new_tokens = flags.DEFINE_integer(
+    "sample_max_new_tokens", 32, "Tokens generated per sample prompt.", lower_bound=1
+)
 _out_dir = flags.DEFINE_string(
     "out_dir", None, "Where the trained model is exported (HF format); %n = --name."
 )
@@ -324,6 +338,9 @@ class TrainConfig:
     z_loss: float = 0.0
     kernels: str = "auto"
     lmhead_chunks: int = 1
+    sample_every_n_steps: int = 0
+    sample_prompts: tuple[str, ...] = ("def ", "import ")
+    sample_max_new_tokens: int = 32
     eval_every_n_steps: int = 100
     eval_num_steps: int = 20
     out_dir: str | None = None
@@ -337,6 +354,16 @@ class TrainConfig:
     def __post_init__(self):
         if (self.steps is None) == (self.epochs is None):
             raise ConfigError("give exactly one of --steps and --epochs")
+        if self.sample_every_n_steps > 0 and not self.sample_prompts:
+            raise ConfigError("--sample_every_n_steps needs --sample_prompts (none given)")
+
+
+def parse_prompts(spec: str) -> tuple[str, ...]:
+    """--sample_prompts: a file's non-empty lines, else the comma-separated prompts."""
+    if os.path.isfile(spec):
+        with open(spec, encoding="utf-8") as f:
+            return tuple(line.rstrip("\n") for line in f if line.strip())
+    return tuple(p for p in spec.split(",") if p)
 
 
 def substitute_name(path: str | None, name: str) -> str | None:
@@ -424,6 +451,9 @@ def from_flags() -> TrainConfig:
         z_loss=_z_loss.value,
         kernels=_kernels.value,
         lmhead_chunks=_lmhead_chunks.value,
+        sample_every_n_steps=_sample_every_n_steps.value,
+        sample_prompts=parse_prompts(_sample_prompts.value),
+        sample_max_new_tokens=_sample_max_new_tokens.value,
         eval_every_n_steps=_eval_every_n_steps.value,
         eval_num_steps=_eval_num_steps.value,
         out_dir=substitute_name(_out_dir.value, name),

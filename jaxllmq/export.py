@@ -33,10 +33,8 @@ def tokenizer_dir(model: str, train_files: Sequence[str]) -> str | None:
     return source
 
 
-def export_checkpoint(
-    spec: str, out_dir: str, *, tokenizer: str | None = None, dtype: str | None = None
-) -> str:
-    """Write checkpoint `spec` (DIR or DIR/STEP) to `out_dir` in HF format; returns its path."""
+def load_checkpoint(spec: str) -> tuple[str, ModelConfig, dict, dict]:
+    """(path, model config, params on the CPU, run config) of checkpoint `spec` (DIR[/STEP])."""
     root, steps, fallback = checkpoint.resolve_path(spec)
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     for i, step in enumerate(steps):
@@ -51,12 +49,19 @@ def export_checkpoint(
             target = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu), abstract
             )
-            params = checkpoint.restore_params(path, target)
-            break
+            return path, model_cfg, checkpoint.restore_params(path, target), run
         except checkpoint.DamagedCheckpointError as e:
             if not fallback or i == len(steps) - 1:
                 raise
-            print(f"{e}; exporting the checkpoint before it", file=sys.stderr)
+            print(f"{e}; reading the checkpoint before it", file=sys.stderr)
+    raise AssertionError("unreachable: resolve_path returns at least one step")
+
+
+def export_checkpoint(
+    spec: str, out_dir: str, *, tokenizer: str | None = None, dtype: str | None = None
+) -> str:
+    """Write checkpoint `spec` (DIR or DIR/STEP) to `out_dir` in HF format; returns its path."""
+    path, model_cfg, params, run = load_checkpoint(spec)
     source = tokenizer or tokenizer_dir(run["model"]["model"], run["data"]["train_files"])
     hf.save_hf(
         out_dir, model_cfg, params, dtype=DTYPES[dtype] if dtype else None, tokenizer_dir=source

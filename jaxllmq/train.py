@@ -14,9 +14,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllmq.checkpoint import CheckpointError, Checkpointing, Preemption
-from jaxllmq.config import ModelSpec, TrainConfig
+from jaxllmq.config import ConfigError, ModelSpec, TrainConfig
 from jaxllmq.data.pipeline import TokenBatches, to_global_arrays
 from jaxllmq.export import tokenizer_dir
+from jaxllmq.generate import GenerateError, Sampler
 from jaxllmq.kernels import resolve_impl
 from jaxllmq.kernels.cross_entropy import lm_head_loss
 from jaxllmq.log import PEAK_FLOPS_BF16, RunLog
@@ -295,6 +296,8 @@ class Trainer:
             seed=d.train_seed,
         )
         self.train_data.check_vocab_size(self.model_cfg.vocab_size)
+        # Before any device work: samples without a tokenizer are refused at start.
+        self.sampler = self._make_sampler() if cfg.sample_every_n_steps > 0 else None
         self.total_steps = cfg.steps or cfg.epochs * self.train_data.steps_per_epoch
         self.tokens_per_step = d.seq_len * self.rows * d.grad_accumulation
         on_gpu = jax.default_backend() == "gpu"
@@ -440,6 +443,33 @@ class Trainer:
         if self.log.is_main:
             self.log.record("gpu", step, devices=device_records(jax.local_devices(), self.nvml))
 
+    def _make_sampler(self) -> Sampler:
+        cfg = self.cfg
+        source = tokenizer_dir(cfg.model.model, cfg.data.train_files)
+        if source is None:
+            raise ConfigError(
+                "--sample_every_n_steps needs a tokenizer: no tokenizer.json in --model's "
+                "directory nor beside --train_file's shards"
+            )
+        try:
+            return Sampler(
+                self.model_cfg,
+                source,
+                cfg.sample_prompts,
+                max_new_tokens=cfg.sample_max_new_tokens,
+                dtype=jnp.dtype(cfg.model.matmul_dtype),
+                out_sharding=replicated(self.mesh),
+            )
+        except GenerateError as e:
+            raise ConfigError(f"--sample_every_n_steps: {e}") from e
+
+    def _sample(self, step: int) -> None:
+        """Log greedy continuations of the sample prompts by the current params."""
+        for prompt, text in self.sampler(self.state.params):
+            self.log.record("sample", step, prompt=prompt, text=text)
+            if self.log.is_main:
+                self.log._print(f"sample step {step} | {prompt + text!r}")
+
     def _eval_due(self, step: int) -> bool:
         every = self.cfg.eval_every_n_steps
         return bool(self.cfg.data.eval_files) and every > 0 and step % every == 0
@@ -473,9 +503,11 @@ class Trainer:
                 t_prev = now
             pending = (step, metrics)
             evaluate = self._eval_due(step) and step < self.total_steps
+            every = self.cfg.sample_every_n_steps
+            sample = every > 0 and step % every == 0
             stop = preemption.reached(step)
             save = stop or self.ckpt.due(step)
-            if evaluate or save:
+            if evaluate or save or sample:
                 # Evaluate and checkpoint between steps, so neither the step times nor the eval
                 # overlap, and a checkpoint's outlier history holds its own step.
                 self._log_step(*pending, time.perf_counter() - t_prev)
@@ -483,6 +515,8 @@ class Trainer:
                 if evaluate:
                     loss, tokens = self.evaluate(self.cfg.eval_num_steps)
                     self.log.eval(step, loss=loss, tokens=tokens)
+                if sample:
+                    self._sample(step)
                 if save:
                     self._save(step)  # returns once the state is in host memory
                 t_prev = time.perf_counter()

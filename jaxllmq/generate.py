@@ -1,0 +1,382 @@
+"""Sample text from an exported model or a checkpoint, with a KV cache and a jitted decode loop.
+
+    python -m jaxllmq.generate --model=DIR | --checkpoint=DIR[/STEP] --prompt="def " \\
+        [--max_new_tokens=64 --temperature=0.8 --top_p=0.95 --seed=0 --num_samples=1]
+
+The prompt is prefilled in one forward pass that fills the cache, then one token per step runs in
+a `jax.lax.while_loop` until --max_new_tokens or every sample has written EOS. The cache has a
+static length (prompt + max_new_tokens), so the whole generation is one compiled program.
+--temperature=0 is greedy decoding. The trainer's --sample_every_n_steps uses `Sampler`.
+
+Shape letters as in model/llama.py, plus S cache length, P prompt length, M new tokens, G query
+heads per kv head.
+"""
+
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from tokenizers import Tokenizer
+
+from jaxllmq import checkpoint
+from jaxllmq.export import load_checkpoint, tokenizer_dir
+from jaxllmq.kernels.rms_norm import rms_norm
+from jaxllmq.model import CheckpointFormatError, ModelConfigError, hf
+from jaxllmq.model.config import ModelConfig
+from jaxllmq.model.llama import apply_rope, params_of, rope_cos_sin
+
+
+class GenerateError(ValueError):
+    """Input generation cannot use (a missing directory, no tokenizer, an empty prompt)."""
+
+
+# ---- the cached forward ----
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> dict[str, jax.Array]:
+    """An empty KV cache: k and v [L, B, S, K, H] in the compute dtype."""
+    shape = (cfg.num_hidden_layers, batch, length, cfg.num_key_value_heads, cfg.dim_per_head)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def _cached_layer(
+    p: dict[str, jax.Array],
+    x_BxTxD: jax.Array,
+    cos_BxTxH: jax.Array,
+    sin_BxTxH: jax.Array,
+    k_BxSxKxH: jax.Array,
+    v_BxSxKxH: jax.Array,
+    start: jax.Array,
+    *,
+    cfg: ModelConfig,
+    dtype,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """llama.decoder_layer for tokens at positions start.. whose keys/values join the cache."""
+    B, T, _ = x_BxTxD.shape
+    N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_per_head
+    S = k_BxSxKxH.shape[1]
+    w = {k: v.astype(dtype) for k, v in p.items()}
+    eps = cfg.rms_norm_eps
+
+    h_BxTxD = rms_norm(x_BxTxD, w["input_layernorm"], eps, impl="xla")
+    q = h_BxTxD @ w["q_proj"]
+    k = h_BxTxD @ w["k_proj"]
+    v = h_BxTxD @ w["v_proj"]
+    if cfg.attention_bias:
+        q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    q_BxTxNxH = apply_rope(q.reshape(B, T, N, H), cos_BxTxH, sin_BxTxH)
+    k_new = apply_rope(k.reshape(B, T, K, H), cos_BxTxH, sin_BxTxH)
+    k_BxSxKxH = jax.lax.dynamic_update_slice(k_BxSxKxH, k_new.astype(dtype), (0, start, 0, 0))
+    v_BxSxKxH = jax.lax.dynamic_update_slice(
+        v_BxSxKxH, v.reshape(B, T, K, H).astype(dtype), (0, start, 0, 0)
+    )
+    # GQA as jax.nn.dot_product_attention does it: query head n reads kv head n // G.
+    q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
+    scores = jnp.einsum(
+        "btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH, preferred_element_type=jnp.float32
+    ) / math.sqrt(H)
+    # Causal over the whole cache: a query sees the keys at its position and before. Slots past
+    # it hold zeros or a padded prompt's leftovers, always overwritten before they are attended.
+    q_pos_T = start + jnp.arange(T)
+    visible_TxS = jnp.arange(S)[None, :] <= q_pos_T[:, None]
+    scores = jnp.where(visible_TxS, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # fp32 softmax, as the XLA kernel
+    o_BxTxKxGxH = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH)
+    x_BxTxD = x_BxTxD + o_BxTxKxGxH.reshape(B, T, N * H) @ w["o_proj"]
+
+    h_BxTxD = rms_norm(x_BxTxD, w["post_attention_layernorm"], eps, impl="xla")
+    swiglu_BxTxF = jax.nn.silu(h_BxTxD @ w["gate_proj"]) * (h_BxTxD @ w["up_proj"])
+    return x_BxTxD + swiglu_BxTxF @ w["down_proj"], k_BxSxKxH, v_BxSxKxH
+
+
+def forward_cached(
+    params: dict,
+    cfg: ModelConfig,
+    tokens_BxT: jax.Array,
+    start: jax.Array | int,
+    cache: dict[str, jax.Array],
+    *,
+    dtype=jnp.float32,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """fp32 logits [B, T, V] of tokens at positions start.., and the cache holding them too."""
+    B, T = tokens_BxT.shape
+    start = jnp.asarray(start, jnp.int32)
+    positions_BxT = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
+    cos, sin = rope_cos_sin(cfg, positions_BxT)
+    x_BxTxD = jnp.take(params["embed_tokens"], tokens_BxT, axis=0).astype(dtype)
+
+    def layer(x, p_k_v):
+        p, k, v = p_k_v
+        x, k, v = _cached_layer(p, x, cos, sin, k, v, start, cfg=cfg, dtype=dtype)
+        return x, (k, v)
+
+    x_BxTxD, (k, v) = jax.lax.scan(layer, x_BxTxD, (params["layers"], cache["k"], cache["v"]))
+    h_BxTxD = rms_norm(x_BxTxD, params["norm"].astype(dtype), cfg.rms_norm_eps, impl="xla")
+    head_DxV = params["embed_tokens"].T if cfg.tie_word_embeddings else params["lm_head"]
+    logits = jnp.einsum(
+        "btd,dv->btv", h_BxTxD, head_DxV.astype(dtype), preferred_element_type=jnp.float32
+    )
+    return logits, {"k": k, "v": v}
+
+
+# ---- sampling ----
+
+
+def sample_token(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_p: float):
+    """Next tokens [B]: argmax at temperature 0, else nucleus (top-p) sampling."""
+    if temperature == 0:
+        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    logits_BxV = logits_BxV / temperature
+    if top_p < 1.0:
+        # Keep the smallest set of most likely tokens whose probability reaches top_p (the most
+        # likely one always): cut at the logit of the last token kept.
+        sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_BxV, axis=-1)
+        keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p
+        cutoff_B = jnp.min(jnp.where(keep, sorted_BxV, jnp.inf), axis=-1)
+        logits_BxV = jnp.where(logits_BxV >= cutoff_B[:, None], logits_BxV, -jnp.inf)
+    return jax.random.categorical(key, logits_BxV, axis=-1).astype(jnp.int32)
+
+
+def make_decode(
+    cfg: ModelConfig,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_ids: Sequence[int] = (),
+    dtype=jnp.float32,
+) -> Callable[[dict, jax.Array, jax.Array, jax.Array], jax.Array]:
+    """decode(params, prompt_BxP, n, key) -> new tokens [B, M]: continue the first n prompt tokens.
+
+    Positions n..P-1 of the prompt are padding (one compiled program serves prompts up to P).
+    After a row writes EOS it writes EOS again; the caller cuts there.
+    """
+    M = max_new_tokens
+    eos = jnp.asarray(list(eos_ids) or [-1], jnp.int32)
+    pad = int(eos_ids[0]) if eos_ids else 0
+
+    def decode(params: dict, prompt_BxP: jax.Array, n: jax.Array, key: jax.Array) -> jax.Array:
+        B, P = prompt_BxP.shape
+        n = jnp.asarray(n, jnp.int32)
+        cache = init_cache(cfg, B, P + M, dtype)
+        logits_BxPxV, cache = forward_cached(params, cfg, prompt_BxP, 0, cache, dtype=dtype)
+        logits_BxV = jax.lax.dynamic_index_in_dim(logits_BxPxV, n - 1, axis=1, keepdims=False)
+
+        def cond(carry):
+            i, _, _, _, done_B = carry
+            return (i < M) & ~jnp.all(done_B)
+
+        def body(carry):
+            i, cache, logits_BxV, out_BxM, done_B = carry
+            tok_B = sample_token(logits_BxV, jax.random.fold_in(key, i), temperature, top_p)
+            tok_B = jnp.where(done_B, pad, tok_B)
+            out_BxM = jax.lax.dynamic_update_slice(out_BxM, tok_B[:, None], (0, i))
+            done_B = done_B | jnp.isin(tok_B, eos)
+            logits, cache = forward_cached(params, cfg, tok_B[:, None], n + i, cache, dtype=dtype)
+            return i + 1, cache, logits[:, 0], out_BxM, done_B
+
+        out_BxM = jnp.full((B, M), pad, jnp.int32)
+        done_B = jnp.zeros((B,), bool)
+        carry = (jnp.int32(0), cache, logits_BxV, out_BxM, done_B)
+        return jax.lax.while_loop(cond, body, carry)[3]
+
+    return decode
+
+
+def cut_at_eos(tokens: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
+    """The tokens before the first EOS."""
+    out = []
+    for t in tokens:
+        if t in eos_ids:
+            break
+        out.append(int(t))
+    return out
+
+
+# ---- tokenizers ----
+
+
+def load_tokenizer(directory: str | None, cfg: ModelConfig) -> tuple[Tokenizer, tuple[int, ...]]:
+    """The tokenizer.json in `directory` and the EOS ids: tokenizer_config.json's eos_token,
+    else the model config's eos_token_id."""
+    path = os.path.join(directory or "", "tokenizer.json")
+    if not directory or not os.path.isfile(path):
+        where = f"in {directory}" if directory else "for this model"
+        raise GenerateError(f"no tokenizer.json {where}: generation needs the tokenizer")
+    tok = Tokenizer.from_file(path)
+    eos_token = None
+    config_path = os.path.join(directory, "tokenizer_config.json")
+    if os.path.isfile(config_path):
+        with open(config_path, encoding="utf-8") as f:
+            eos_token = json.load(f).get("eos_token")
+        if isinstance(eos_token, dict):  # older configs: {"content": "</s>", ...}
+            eos_token = eos_token.get("content")
+    eos_id = tok.token_to_id(eos_token) if isinstance(eos_token, str) else None
+    if eos_id is not None:
+        return tok, (eos_id,)
+    ids = cfg.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return tok, tuple(ids)
+
+
+def encode_prompt(tok: Tokenizer, prompt: str, vocab_size: int) -> list[int]:
+    """The prompt's token ids (with the tokenizer's special tokens, e.g. Llama 3's BOS)."""
+    if not prompt:
+        raise GenerateError("the prompt is empty")
+    ids = tok.encode(prompt).ids
+    if not ids:
+        raise GenerateError(f"the prompt {prompt!r} encodes to no tokens")
+    if max(ids) >= vocab_size:
+        raise GenerateError(
+            f"the tokenizer gives id {max(ids)} for {prompt!r}, beyond the model's vocab "
+            f"({vocab_size}): tokenizer and model do not belong together"
+        )
+    return ids
+
+
+class Sampler:
+    """Greedy continuations of fixed prompts with given params (the trainer's `sample` records).
+
+    One compiled program serves all prompts: each is padded to the longest.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tokenizer_dir: str | None,
+        prompts: Sequence[str],
+        *,
+        max_new_tokens: int,
+        dtype=jnp.float32,
+        out_sharding: jax.sharding.Sharding | None = None,
+    ):
+        self.tok, self.eos_ids = load_tokenizer(tokenizer_dir, cfg)
+        self.prompts = list(prompts)
+        self.ids = [encode_prompt(self.tok, p, cfg.vocab_size) for p in self.prompts]
+        self.width = max(map(len, self.ids))
+        decode = make_decode(cfg, max_new_tokens=max_new_tokens, eos_ids=self.eos_ids, dtype=dtype)
+        self._decode = jax.jit(decode, out_shardings=out_sharding)
+
+    def __call__(self, params: dict) -> list[tuple[str, str]]:
+        """(prompt, continuation) for each prompt."""
+        out = []
+        key = jax.random.key(0)  # unused by greedy decoding
+        for prompt, ids in zip(self.prompts, self.ids, strict=True):
+            padded = np.zeros((1, self.width), np.int32)
+            padded[0, : len(ids)] = ids
+            new = np.asarray(self._decode(params, padded, np.int32(len(ids)), key))[0]
+            out.append((prompt, self.tok.decode(cut_at_eos(new, self.eos_ids))))
+        return out
+
+
+# ---- the CLI ----
+
+
+def load(
+    model: str | None = None, checkpoint_spec: str | None = None
+) -> tuple[ModelConfig, dict, str | None]:
+    """(model config, params, tokenizer directory) of an HF model dir or a checkpoint."""
+    if (model is None) == (checkpoint_spec is None):
+        raise GenerateError("give exactly one of --model and --checkpoint")
+    if model is not None:
+        if not os.path.isdir(model):
+            raise GenerateError(f"--model={model}: no such directory")
+        m = hf.from_pretrained(model)
+        return m.cfg, params_of(m), model
+    _, cfg, params, run = load_checkpoint(checkpoint_spec)
+    params = jax.device_put(params, jax.devices()[0])  # read onto the CPU; decode on the GPU
+    return cfg, params, tokenizer_dir(run["model"]["model"], run["data"]["train_files"])
+
+
+def generate(
+    cfg: ModelConfig,
+    params: dict,
+    tokenizer_dir: str | None,
+    prompt: str,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.8,
+    top_p: float = 0.95,
+    seed: int = 0,
+    num_samples: int = 1,
+) -> list[str]:
+    """num_samples continuations of `prompt` (the new text only)."""
+    if max_new_tokens < 1 or num_samples < 1:
+        raise GenerateError("--max_new_tokens and --num_samples must be >= 1")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise GenerateError("--temperature must be >= 0 and --top_p in (0, 1]")
+    tok, eos_ids = load_tokenizer(tokenizer_dir, cfg)
+    ids = encode_prompt(tok, prompt, cfg.vocab_size)
+    total = len(ids) + max_new_tokens
+    if cfg.sliding_window is not None and total > cfg.sliding_window:
+        raise GenerateError(
+            f"prompt + --max_new_tokens = {total} exceeds the model's sliding_window "
+            f"{cfg.sliding_window}, which is not implemented"
+        )
+    decode = make_decode(
+        cfg,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        eos_ids=eos_ids,
+    )
+    prompt_BxP = np.tile(np.asarray(ids, np.int32), (num_samples, 1))
+    new = jax.jit(decode)(params, prompt_BxP, np.int32(len(ids)), jax.random.key(seed))
+    return [tok.decode(cut_at_eos(row, eos_ids)) for row in np.asarray(new)]
+
+
+def _define_flags() -> dict[str, flags.FlagHolder]:
+    return {
+        "model": flags.DEFINE_string("model", None, "An HF model directory (e.g. exported)."),
+        "checkpoint": flags.DEFINE_string(
+            "checkpoint", None, "A checkpoint DIR/STEP, or DIR (its newest)."
+        ),
+        "prompt": flags.DEFINE_string("prompt", None, "The text to continue."),
+        "max_new_tokens": flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate."),
+        "temperature": flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 = greedy."),
+        "top_p": flags.DEFINE_float("top_p", 0.95, "Nucleus sampling: keep this much mass."),
+        "seed": flags.DEFINE_integer("seed", 0, "Sampling seed (same seed, same text)."),
+        "num_samples": flags.DEFINE_integer("num_samples", 1, "Continuations to sample."),
+    }
+
+
+def main(argv: list[str], flag: dict[str, flags.FlagHolder]) -> None:
+    if len(argv) > 1:
+        sys.exit(f"error: unexpected arguments {argv[1:]} (flags are --name=value)")
+    v = {name: holder.value for name, holder in flag.items()}
+    try:
+        cfg, params, tok_dir = load(v["model"], v["checkpoint"])
+        texts = generate(
+            cfg,
+            params,
+            tok_dir,
+            v["prompt"] or "",
+            max_new_tokens=v["max_new_tokens"],
+            temperature=v["temperature"],
+            top_p=v["top_p"],
+            seed=v["seed"],
+            num_samples=v["num_samples"],
+        )
+    except (
+        GenerateError,
+        checkpoint.CheckpointError,
+        ModelConfigError,
+        CheckpointFormatError,
+    ) as e:
+        sys.exit(f"error: {e}")
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- sample {i + 1}")
+        print(v["prompt"] + text)
+
+
+if __name__ == "__main__":
+    _flag = _define_flags()
+    app.run(lambda argv: main(argv, _flag))
