@@ -76,8 +76,8 @@ def test_greedy_equals_transformers_generate(hf_dir):
     np.testing.assert_array_equal(again, ours)
 
 
-def test_sampling_is_deterministic_for_a_seed(hf_dir):
-    _, _, model = hf_dir
+def test_sampling_is_deterministic_for_a_seed(model_dir):
+    model = hf.from_pretrained(str(model_dir))
     cfg, params = model.cfg, params_of(model)
     prompt = np.tile(_tokens(cfg.vocab_size, (1, 6), seed=3), (3, 1))
     decode = jax.jit(gen.make_decode(cfg, max_new_tokens=12, temperature=1.5, top_p=0.95))
