@@ -183,11 +183,20 @@ def plot(
         ax_lr.plot(xs, s.lr, color=c, label=s.name)
         ax_norm.plot(xs, s.norm, color=c, lw=0.8, label=s.name)
         ax_tps.plot(xs, s.tokens_per_s, color=c, lw=0.8, label=s.name)
+    # Steps right after a compile, an eval or a checkpoint are timed short or long; keep the
+    # y-axis on the steady state and say when points fall outside it.
+    tps = np.concatenate([s.tokens_per_s[np.isfinite(s.tokens_per_s)] for s in runs])
+    tps_title = "tokens/s"
+    if len(tps) >= 10:
+        top = 1.25 * np.percentile(tps, 90)
+        if tps.max() > top:
+            ax_tps.set_ylim(0, top)
+            tps_title += " (outliers above the axis not shown)"
     titles = {
         ax_loss: "loss (faint: raw; solid: smoothed; dashed: eval)" if smooth > 0 else "loss",
         ax_lr: "learning rate",
         ax_norm: "grad norm (before clipping)",
-        ax_tps: "tokens/s",
+        ax_tps: tps_title,
     }
     for ax, title in titles.items():
         ax.set_title(title, fontsize=10)
