@@ -241,3 +241,19 @@ def test_trainer_refuses_samples_without_a_tokenizer(shards, tmp_path):
     assert proc.returncode == 1
     assert "--sample_every_n_steps needs a tokenizer" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_decoding_stops_at_eos(model_dir):
+    model = hf.from_pretrained(str(model_dir))
+    cfg, params = model.cfg, params_of(model)
+    prompt = _tokens(cfg.vocab_size, (2, 7), seed=4)
+    free = np.asarray(
+        jax.jit(gen.make_decode(cfg, max_new_tokens=10))(params, prompt, 7, jax.random.key(0))
+    )
+    eos = int(free[0, 3])
+    first = int(np.argmax(free[0] == eos))  # the first time row 0 writes it
+    stop = gen.make_decode(cfg, max_new_tokens=10, eos_ids=(eos,))
+    out = np.asarray(jax.jit(stop)(params, prompt, 7, jax.random.key(0)))
+    np.testing.assert_array_equal(out[0, : first + 1], free[0, : first + 1])
+    assert (out[0, first:] == eos).all()  # then only EOS
+    assert gen.cut_at_eos(out[0], (eos,)) == free[0, :first].tolist()
