@@ -417,8 +417,12 @@ class Trainer:
             ce, tokens = ce + float(c), tokens + int(t)
         return ce / max(tokens, 1), tokens
 
-    def _log_step(self, step: int, metrics: dict, duration_s: float) -> None:
+    def _log_step(self, step: int, metrics: dict, t_prev: float) -> float:
+        """Fetch a step's metrics (waiting for that step only) and log them; returns the time it
+        finished by. The clock is read after the fetch: the step is done only then."""
         m = jax.device_get(metrics)
+        now = time.perf_counter()
+        duration_s = now - t_prev
         self.log.step(
             step,
             loss=float(m["loss"]),
@@ -436,6 +440,7 @@ class Trainer:
         every = self.cfg.log_gpu_util
         if every > 0 and step % every == 0:
             self._log_gpu(step)
+        return now
 
     def _log_gpu(self, step: int) -> None:
         """A `gpu` record: each local device's kind, memory (in use, peak, limit) and NVML fields.
@@ -498,9 +503,7 @@ class Trainer:
             self.state, metrics = self.compiled.train_step(self.state, batch)
             if pending is not None:
                 # Log step t-1 while step t runs: the fetch waits for t-1 only.
-                now = time.perf_counter()
-                self._log_step(*pending, now - t_prev)
-                t_prev = now
+                t_prev = self._log_step(*pending, t_prev)
             pending = (step, metrics)
             evaluate = self._eval_due(step) and step < self.total_steps
             every = self.cfg.sample_every_n_steps
@@ -510,7 +513,7 @@ class Trainer:
             if evaluate or save or sample:
                 # Evaluate and checkpoint between steps, so neither the step times nor the eval
                 # overlap, and a checkpoint's outlier history holds its own step.
-                self._log_step(*pending, time.perf_counter() - t_prev)
+                self._log_step(*pending, t_prev)
                 pending = None
                 if evaluate:
                     loss, tokens = self.evaluate(self.cfg.eval_num_steps)
@@ -531,7 +534,7 @@ class Trainer:
                 return {"train_loss": float(metrics["loss"]), "stopped_at": step}
         last_loss = float("nan")
         if pending is not None:
-            self._log_step(*pending, time.perf_counter() - t_prev)
+            self._log_step(*pending, t_prev)
             last_loss = float(pending[1]["loss"])
         step = int(self.state.step)
         if self.cfg.ckpt.save_training_state and not self.ckpt.has(step):
