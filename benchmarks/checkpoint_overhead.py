@@ -26,7 +26,7 @@ import types
 
 try:
     import grain  # noqa: F401  (the trainer's input pipeline; this script never reads data)
-except ImportError:  # the GPU machine may lack it: stand in for the names train.py imports
+except ImportError:  # the GPU machine may lack it: stand in for the names the package imports
     sys.modules["grain"] = types.ModuleType("grain")
     sys.modules["grain.experimental"] = types.SimpleNamespace(index_shuffle=None)
 

@@ -1,13 +1,13 @@
 """Entry point: python -m jaxllmq.main --flagfile=configs/X.flags [--flag=value ...].
 
-Intentionally short: flags -> TrainConfig -> train.run(); the logic lives in the libraries.
+Intentionally short: flags -> TrainConfig -> trainer.run(); the logic lives in the libraries.
 """
 
 import sys
 
 from absl import app
 
-from jaxllmq import config, train
+from jaxllmq import config, trainer
 from jaxllmq.checkpoint import CheckpointError
 from jaxllmq.data.shards import ShardError
 from jaxllmq.model import CheckpointFormatError, ModelConfigError
@@ -34,7 +34,7 @@ def main(argv: list[str]) -> None:
         cfg.mesh.coordinator_address, cfg.mesh.num_processes, cfg.mesh.process_id
     )
     try:
-        train.run(cfg, sys.argv)
+        trainer.run(cfg, sys.argv)
     except (*user_errors, NonFiniteError) as e:
         sys.exit(f"error: {e}")
 

@@ -1,9 +1,9 @@
-"""TrainState, the jitted train and eval steps, and the host loop that drives them."""
+"""TrainState, the jitted train and eval steps, and build(): the state born sharded on the mesh.
+
+The host loop that drives them is trainer.py."""
 
 import dataclasses
-import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import flax.struct
@@ -13,28 +13,21 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxllmq.checkpoint import CheckpointError, Checkpointing, Preemption
-from jaxllmq.config import ConfigError, ModelSpec, TrainConfig
-from jaxllmq.data.pipeline import TokenBatches, to_global_arrays
-from jaxllmq.export import tokenizer_dir
-from jaxllmq.generate import GenerateError, Sampler
+from jaxllmq.config import ModelSpec
 from jaxllmq.kernels import resolve_impl
 from jaxllmq.kernels.cross_entropy import lm_head_loss
-from jaxllmq.log import PEAK_FLOPS_BF16, RunLog
 from jaxllmq.model import hf
-from jaxllmq.model.config import ModelConfig, load_model_config
+from jaxllmq.model.config import ModelConfig
 from jaxllmq.model.llama import Llama, abstract_model, params_of
 from jaxllmq.optim import (
     OptimConfig,
-    check_nonfinite,
     lr_schedule,
     make_optimizer,
     nonfinite_counts,
 )
 from jaxllmq.parallel import rules
-from jaxllmq.parallel.mesh import BATCH_AXES, TENSOR, batch_sharding, make_mesh, replicated
+from jaxllmq.parallel.mesh import BATCH_AXES, TENSOR, batch_sharding, replicated
 from jaxllmq.parallel.rules import check_tensor_parallel
-from jaxllmq.telemetry import Nvml, device_records
 
 
 @flax.struct.dataclass
@@ -272,295 +265,3 @@ def build(
         out_shardings=rep,
     )
     return Compiled(graphdef, axes, state, train_step, eval_step, data_sharding)
-
-
-class Trainer:
-    """Builds the mesh, model, optimizer, data and steps from a TrainConfig; `run` trains."""
-
-    def __init__(self, cfg: TrainConfig, argv: list[str] | None = None):
-        self.cfg = cfg
-        m = cfg.mesh
-        self.mesh = make_mesh(
-            m.gpus, tensor_parallel=m.tensor_parallel, data_parallel=m.data_parallel
-        )
-        n_dev = self.mesh.size
-        self.model_cfg = load_model_config(cfg.model.model)
-        d = cfg.data
-        # Rows per micro-batch: --batch_size per device, a tensor-parallel group sharing its rows.
-        self.rows = d.batch_size * (n_dev // m.tensor_parallel)
-        self.train_data = TokenBatches(
-            d.train_files,
-            seq_len=d.seq_len,
-            batch_size=self.rows,
-            grad_accumulation=d.grad_accumulation,
-            seed=d.train_seed,
-        )
-        self.train_data.check_vocab_size(self.model_cfg.vocab_size)
-        # Before any device work: samples without a tokenizer are refused at start.
-        self.sampler = self._make_sampler() if cfg.sample_every_n_steps > 0 else None
-        self.total_steps = cfg.steps or cfg.epochs * self.train_data.steps_per_epoch
-        self.tokens_per_step = d.seq_len * self.rows * d.grad_accumulation
-        on_gpu = jax.default_backend() == "gpu"
-        self.log = RunLog(
-            cfg.log_file,
-            total_steps=self.total_steps,
-            flops_per_token=self.model_cfg.flops_per_token(d.seq_len),
-            peak_flops=PEAK_FLOPS_BF16 * n_dev if on_gpu else 0.0,
-            is_main=jax.process_index() == 0,
-            tensorboard_dir=cfg.tensorboard_dir,
-        )
-        # NVML only where this process logs: other processes' telemetry would not be written.
-        self.nvml = Nvml() if self.log.is_main else None
-        self.log.record("cmd", 0, argv=argv or sys.argv)
-        self.log.record("options", 0, **dataclasses.asdict(cfg))
-        # Before the build: a checkpoint that cannot be resumed is refused before device work.
-        self.ckpt = Checkpointing(
-            cfg.ckpt,
-            run={"argv": argv or sys.argv, "config": dataclasses.asdict(cfg)},
-            model=self.model_cfg.to_hf_dict(),
-            info=lambda message: self.log.info(0, message),
-        )
-        if self.ckpt.resume is not None and cfg.ckpt.new_data:
-            self.log.info(0, "--new_data: the data pipeline starts from its beginning")
-        elif self.ckpt.resume is not None:
-            self._resume_data()  # a data position that does not fit is refused before the build
-
-        spec = cfg.model
-        self.compiled = build(
-            self.model_cfg,
-            spec,
-            cfg.optim,
-            mesh=self.mesh,
-            total_steps=self.total_steps,
-            seed=d.train_seed,
-            z_loss=cfg.z_loss,
-            kernels=cfg.kernels,
-            lmhead_chunks=cfg.lmhead_chunks,
-            zero_level=cfg.mesh.zero_level,
-        )
-        self.state = self.compiled.state
-        if self.ckpt.resume is not None:
-            self._resume()
-        self.batch_sharding = self.compiled.batch_sharding
-        self.log.record(
-            "model",
-            0,
-            name=spec.model,
-            architecture=self.model_cfg.architecture,
-            params=self.model_cfg.num_params(),
-            config=self.model_cfg.to_hf_dict(),
-            devices=n_dev,
-            device_kind=jax.devices()[0].device_kind,
-            processes=jax.process_count(),
-            jax_version=jax.__version__,
-        )
-        self._log_gpu(0)
-        self.log.record(
-            "dataset",
-            0,
-            train_files=list(d.train_files),
-            windows=self.train_data.num_windows,
-            steps_per_epoch=self.train_data.steps_per_epoch,
-            vocab_size=self.train_data.vocab_size,
-            eval_files=list(d.eval_files),
-        )
-
-    def _resume(self) -> None:
-        """Restore the checkpoint --continue chose: state (onto this run's shardings), the data
-        position (unless --new_data) and the outlier history."""
-        self.state = self.compiled.state = self.ckpt.restore(self.compiled.state)
-        self._resume_data()  # again: restore may have fallen back to an older checkpoint
-        self.log.load_state_dict(self.ckpt.resume.log)
-
-    def _resume_data(self) -> None:
-        if self.cfg.ckpt.new_data:
-            return
-        try:
-            self.train_data.set_state(self.ckpt.resume.data)
-        except ValueError as e:
-            raise CheckpointError(f"--continue: {e}") from e
-
-    def _save(self, step: int) -> None:
-        """Start an asynchronous checkpoint of the state after `step`."""
-        held = self.ckpt.save(
-            step, self.state, data=self.train_data.get_state(), log=self.log.state_dict()
-        )
-        self.log.record("checkpoint", step, path=self.ckpt.path(step), blocking_ms=1000 * held)
-
-    def _eval_batches(self) -> Iterator[Batch] | None:
-        d = self.cfg.data
-        if not d.eval_files:
-            return None
-        return TokenBatches(
-            d.eval_files,
-            seq_len=d.seq_len,
-            batch_size=self.rows,
-            grad_accumulation=1,
-            seed=d.eval_seed,
-            shuffle=False,
-            repeat=False,
-            flag_name="--eval_file",
-        )
-
-    def evaluate(self, max_batches: int | None) -> tuple[float, int] | None:
-        """Mean loss over the eval set (from its start), at most `max_batches` batches."""
-        batches = self._eval_batches()
-        if batches is None:
-            return None
-        ce, tokens = 0.0, 0
-        for i, batch in enumerate(batches):
-            if max_batches is not None and i >= max_batches:
-                break
-            c, t = self.compiled.eval_step(
-                self.state.params, to_global_arrays(batch, self.batch_sharding)
-            )
-            ce, tokens = ce + float(c), tokens + int(t)
-        return ce / max(tokens, 1), tokens
-
-    def _log_step(self, step: int, metrics: dict, t_prev: float) -> float:
-        """Fetch a step's metrics (waiting for that step only) and log them; returns the time it
-        finished by. The clock is read after the fetch: the step is done only then."""
-        m = jax.device_get(metrics)
-        now = time.perf_counter()
-        duration_s = now - t_prev
-        self.log.step(
-            step,
-            loss=float(m["loss"]),
-            norm=float(m["norm"]),
-            lr=float(m["lr"]),
-            tokens=self.tokens_per_step,
-            duration_ms=1000 * duration_s,
-            trained_tokens=int(m["tokens"]),
-            lse_max=float(m["lse_max"]),
-            lse_mean=float(m["lse_mean"]),
-        )
-        if int(m["nonfinite"]) > 0:
-            self.log.info(step, f"step {step}: non-finite gradients, update skipped")
-        check_nonfinite(self.cfg.optim, step, int(m["nonfinite"]), int(m["nonfinite_total"]))
-        every = self.cfg.log_gpu_util
-        if every > 0 and step % every == 0:
-            self._log_gpu(step)
-        return now
-
-    def _log_gpu(self, step: int) -> None:
-        """A `gpu` record: each local device's kind, memory (in use, peak, limit) and NVML fields.
-        Host-side reads only (allocator stats, NVML): no device sync."""
-        if self.log.is_main:
-            self.log.record("gpu", step, devices=device_records(jax.local_devices(), self.nvml))
-
-    def _make_sampler(self) -> Sampler:
-        cfg = self.cfg
-        source = tokenizer_dir(cfg.model.model, cfg.data.train_files)
-        if source is None:
-            raise ConfigError(
-                "--sample_every_n_steps needs a tokenizer: no tokenizer.json in --model's "
-                "directory nor beside --train_file's shards"
-            )
-        try:
-            return Sampler(
-                self.model_cfg,
-                source,
-                cfg.sample_prompts,
-                max_new_tokens=cfg.sample_max_new_tokens,
-                dtype=jnp.dtype(cfg.model.matmul_dtype),
-                out_sharding=replicated(self.mesh),
-            )
-        except GenerateError as e:
-            raise ConfigError(f"--sample_every_n_steps: {e}") from e
-
-    def _sample(self, step: int) -> None:
-        """Log greedy continuations of the sample prompts by the current params."""
-        for prompt, text in self.sampler(self.state.params):
-            self.log.record("sample", step, prompt=prompt, text=text)
-            if self.log.is_main:
-                self.log._print(f"sample step {step} | {prompt + text!r}")
-
-    def _eval_due(self, step: int) -> bool:
-        every = self.cfg.eval_every_n_steps
-        return bool(self.cfg.data.eval_files) and every > 0 and step % every == 0
-
-    def run(self) -> dict[str, float]:
-        """Train to the last step, evaluate on the whole eval set, export. Returns final losses.
-
-        With --checkpoint_dir, SIGTERM or SIGINT ends the run after the current step with a
-        checkpoint (the result then has `stopped_at`); every save started is complete on disk
-        before this returns or raises.
-        """
-        preemption = Preemption()
-        if self.ckpt.saving:
-            preemption.install()
-        try:
-            return self._run(preemption)
-        finally:
-            preemption.uninstall()
-            self.ckpt.close()
-
-    def _run(self, preemption: Preemption) -> dict[str, float]:
-        pending = None  # (step, metrics) dispatched but not yet logged
-        t_prev = time.perf_counter()
-        for step in range(int(self.state.step) + 1, self.total_steps + 1):
-            batch = to_global_arrays(next(self.train_data), self.batch_sharding)
-            self.state, metrics = self.compiled.train_step(self.state, batch)
-            if pending is not None:
-                # Log step t-1 while step t runs: the fetch waits for t-1 only.
-                t_prev = self._log_step(*pending, t_prev)
-            pending = (step, metrics)
-            evaluate = self._eval_due(step) and step < self.total_steps
-            every = self.cfg.sample_every_n_steps
-            sample = every > 0 and step % every == 0
-            stop = preemption.reached(step)
-            save = stop or self.ckpt.due(step)
-            if evaluate or save or sample:
-                # Evaluate and checkpoint between steps, so neither the step times nor the eval
-                # overlap, and a checkpoint's outlier history holds its own step.
-                self._log_step(*pending, t_prev)
-                pending = None
-                if evaluate:
-                    loss, tokens = self.evaluate(self.cfg.eval_num_steps)
-                    self.log.eval(step, loss=loss, tokens=tokens)
-                if sample:
-                    self._sample(step)
-                if save:
-                    self._save(step)  # returns once the state is in host memory
-                t_prev = time.perf_counter()
-            if stop:
-                self.ckpt.close()
-                self.log.info(
-                    step,
-                    f"stopped by {preemption.signal} after step {step}: checkpoint "
-                    f"{self.ckpt.path(step)} is complete; resume with --continue=latest",
-                )
-                self.log.close()
-                return {"train_loss": float(metrics["loss"]), "stopped_at": step}
-        last_loss = float("nan")
-        if pending is not None:
-            self._log_step(*pending, t_prev)
-            last_loss = float(pending[1]["loss"])
-        step = int(self.state.step)
-        if self.cfg.ckpt.save_training_state and not self.ckpt.has(step):
-            self._save(step)  # written while the final evaluation and the export run
-        result = {"train_loss": last_loss}
-        final = self.evaluate(None)
-        if final is not None:
-            self.log.eval(self.total_steps, loss=final[0], tokens=final[1])
-            result["eval_loss"] = final[0]
-        if self.cfg.out_dir:
-            self.export(self.cfg.out_dir)
-        self.log.close()
-        return result
-
-    def export(self, out_dir: str) -> None:
-        """Write the model in HF format, with the tokenizer files of the source model or data."""
-        hf.save_hf(
-            out_dir,
-            self.model_cfg,
-            self.state.params,
-            tokenizer_dir=tokenizer_dir(self.cfg.model.model, self.cfg.data.train_files),
-            write=jax.process_index() == 0,
-        )
-        self.log.info(int(self.state.step), f"exported the model to {out_dir}")
-
-
-def run(cfg: TrainConfig, argv: list[str] | None = None) -> dict[str, float]:
-    """Train as the config says; returns the final train (and eval) loss."""
-    return Trainer(cfg, argv).run()
