@@ -188,6 +188,8 @@ class Trainer:
         every = self.cfg.log_gpu_util
         if every > 0 and step % every == 0:
             self._log_gpu(step)
+        if step == self.first_step:
+            self.log.info(step, f"step {step} took {duration_s:.1f} s, compilation included")
         return now
 
     def _log_gpu(self, step: int) -> None:
@@ -246,7 +248,8 @@ class Trainer:
     def _run(self, preemption: Preemption) -> dict[str, float]:
         pending = None  # (step, metrics) dispatched but not yet logged
         t_prev = time.perf_counter()
-        for step in range(int(self.state.step) + 1, self.total_steps + 1):
+        self.first_step = int(self.state.step) + 1
+        for step in range(self.first_step, self.total_steps + 1):
             batch = to_global_arrays(next(self.train_data), self.batch_sharding)
             self.state, metrics = self.compiled.train_step(self.state, batch)
             if pending is not None:
