@@ -258,6 +258,12 @@ class RunLog:
         if self.is_main:
             self._print(f"eval step {step}/{self.total_steps} | loss {loss:.4f} | {tokens} tokens")
 
+    def sample(self, step: int, *, prompt: str, text: str) -> None:
+        """Log a sampled continuation: the JSONL `sample` record and a console line."""
+        self.record("sample", step, prompt=prompt, text=text)
+        if self.is_main:
+            self._print(f"sample step {step} | {prompt + text!r}")
+
     def info(self, step: int, message: str, **extra: Any) -> None:
         """Log a message: the JSONL `info` record and a console line."""
         self.record("info", step, message=message, **extra)

@@ -221,9 +221,7 @@ class Trainer:
     def _sample(self, step: int) -> None:
         """Log greedy continuations of the sample prompts by the current params."""
         for prompt, text in self.sampler(self.state.params):
-            self.log.record("sample", step, prompt=prompt, text=text)
-            if self.log.is_main:
-                self.log._print(f"sample step {step} | {prompt + text!r}")
+            self.log.sample(step, prompt=prompt, text=text)
 
     def _eval_due(self, step: int) -> bool:
         every = self.cfg.eval_every_n_steps
