@@ -10,7 +10,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tiny_tokenizer import write_tiny_tokenizer
+from tokenizers import Tokenizer
 
 from jaxllmq.data.pipeline import TokenBatches
 from jaxllmq.data.prepare import main
@@ -29,14 +30,7 @@ def sentences(n, seed):
 def tokenizer_dir(tmp_path_factory):
     """A tiny byte-level BPE tokenizer, config files as a Hugging Face model directory has them."""
     path = tmp_path_factory.mktemp("tok")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS], initial_alphabet=alphabet)
-    tok.train_from_iterator(sentences(200, 0), trainer=trainer)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
+    write_tiny_tokenizer(path, sentences(200, 0), EOS)
     return path
 
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 from hf_models import tiny_llama, tiny_qwen2
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tiny_tokenizer import write_tiny_tokenizer
+from tokenizers import Tokenizer
 
 from jaxllmq import generate as gen
 from jaxllmq.data.shards import write_shard
@@ -110,15 +111,7 @@ def _sentences(n: int, seed: int) -> list[str]:
 
 def _write_tokenizer(path) -> Tokenizer:
     """A tiny byte-level BPE tokenizer (300 ids) and its config naming the EOS token."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS], initial_alphabet=alphabet)
-    tok.train_from_iterator(_sentences(200, 0), trainer=trainer)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
-    return tok
+    return write_tiny_tokenizer(path, _sentences(200, 0), EOS)
 
 
 @pytest.fixture(scope="module")
