@@ -4,17 +4,21 @@ Panels: train loss (raw, faint, and an exponential moving average) with eval los
 grad norm and tokens/s, against step (default) or against tokens trained (`--x=tokens`). Several
 runs are overlaid, one color each, named by their file (or `--names`).
 
-Reads jaxllmq's JSON Lines log (DESIGN.md's Log contract) and llmq's log, which is one JSON array of
-records. The llmq reader assumes its records carry the keys ours do (`log` kind "step" / "eval",
-`step`, `loss`, `norm`, `lr`, and tokens per step as `tokens` or `step_tokens`, with `duration_ms`
-when `tokens_per_s` is absent); records of other kinds, and keys a log lacks, are skipped, so a
-panel a log has no data for is left without that run's line.
+Reads jaxllmq's JSON Lines log (DESIGN.md's Log contract) and llmq's log (its TrainingRunLogger,
+src/training/logging.cpp): one JSON array, one record per line, rewritten after each record so it
+stays valid. llmq's records carry `log` (kind), `time` (a date string) and `step`; a "step" record
+has `loss`, `norm`, `lr`, `step_tokens`, `duration_ms` (and `epoch`; some versions `lse_max`,
+`lse_mean`), an "eval" record `loss`, `eval_tokens`, `duration_ms`. Tokens/s is step_tokens over
+duration_ms where a record has no `tokens_per_s`. Records of other kinds (cmd, option, dataset,
+gpu, ...), and keys a log lacks, are skipped, so a panel a log has no data for is left without that
+run's line.
 """
 
 import dataclasses
 import json
 import math
 import os
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -57,23 +61,33 @@ def _num(x) -> float:
         return math.nan
 
 
+# llmq formats floats with fmt, which writes non-finite ones as bare nan / -nan / inf / -inf: not
+# JSON. Values only (after a colon, before , } or ]), so text inside strings is left alone.
+_FMT_NONFINITE = re.compile(r"(?<=:)(\s*)(-?)(nan|inf)(?=\s*[,}\]])")
+
+
+def _json_nonfinite(m: re.Match) -> str:
+    space, sign, word = m.groups()
+    return space + ("NaN" if word == "nan" else sign + "Infinity")
+
+
 def read_records(path: str) -> list[dict]:
-    """The records of a log: a JSON array (llmq) or JSON Lines (jaxllmq; a torn last line from a
-    crash is skipped)."""
+    """The records of a log: a JSON array (llmq) or JSON Lines (jaxllmq). A line that does not
+    parse (a torn last record from a crash) is skipped."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
     if text.lstrip().startswith("["):
+        text = _FMT_NONFINITE.sub(_json_nonfinite, text)
         try:
-            data = json.loads(text)
+            return [r for r in json.loads(text) if isinstance(r, dict)]
         except json.JSONDecodeError:
-            # A JSON-array log cut short by a crash: keep the records before the cut.
-            cut = text.rstrip().rstrip(",")
-            data = json.loads(cut[: cut.rfind("}") + 1] + "]")
-        return [r for r in data if isinstance(r, dict)]
+            # Cut short by a crash, or a record llmq wrote with an unescaped string (it formats
+            # strings into JSON as they are): read it as llmq writes it, a record per line.
+            pass
     records = []
     for line in text.splitlines():
-        line = line.strip()
-        if not line:
+        line = line.strip().rstrip(",")
+        if not line.startswith("{"):
             continue
         try:
             rec = json.loads(line)

@@ -40,16 +40,33 @@ def write_jaxllmq_log(path, steps=60, eval_every=20):
                 log.eval(s, loss=5 * math.exp(-s / 30) + 2.1, tokens=4096)
 
 
-def write_llmq_log(path, steps=40):
-    records = [{"log": "cmd", "time": 0, "step": 0, "argv": ["train"]}]
-    for s in range(1, steps + 1):
-        records.append(
-            {"log": "step", "time": s, "step": s, "step_tokens": 4096, "duration_ms": 100.0,
-             "loss": 6 - s / 20, "norm": 0.8, "lr": 3e-4}
-        )  # fmt: skip
-        if s % 20 == 0:
-            records.append({"log": "eval", "time": s, "step": s, "loss": 6.1 - s / 20})
-    path.write_text(json.dumps(records, indent=1))
+def llmq_line(kind: str, step: int, **fields) -> str:
+    """One record as llmq's TrainingRunLogger formats it: `time` a date string, `, ` and `: `."""
+    return "  " + json.dumps({"log": kind, "time": "2025-06-01 12:00:00.000000000", "step": step,
+                              **fields})  # fmt: skip
+
+
+def write_llmq_log(path, steps=40, lines=None):
+    """An llmq log as its logger writes one: a JSON array, a record per line, `]` after the last."""
+    if lines is None:
+        lines = [
+            llmq_line("cmd", 0, cmd=["train", "--model", "Qwen2.5-0.5B"]),
+            llmq_line("option", 0, name="batch_size", value=8),
+            llmq_line("dataset", 0, split="train", files=2, tokens=10**6, file_index=0,
+                      chunk_index=0, seed=1),
+        ]  # fmt: skip
+        for s in range(1, steps + 1):
+            lines.append(
+                llmq_line("step", s, epoch=s / 100, step_tokens=4096, duration_ms=100, norm=0.8,
+                          loss=6 - s / 20, lr=3e-4, lse_max=9.0, lse_mean=8.0)
+            )  # fmt: skip
+            if s % 20 == 0:
+                lines.append(
+                    llmq_line("eval", s, epoch=s / 100, eval_tokens=8192, duration_ms=50,
+                              loss=6.1 - s / 20)
+                )  # fmt: skip
+                lines.append(llmq_line("gpu", s, id=0, clock=1980, power=650000, throttle=""))
+    path.write_text("[\n" + ",\n".join(lines) + "\n]\n")
 
 
 def test_loads_jaxllmq_log(tmp_path):
@@ -73,6 +90,32 @@ def test_loads_llmq_json_array(tmp_path):
     # tokens/s from step_tokens and duration_ms when the record has no tokens_per_s
     np.testing.assert_allclose(s.tokens_per_s, 4096 / 0.1)
     np.testing.assert_allclose(s.eval_loss, [6.1 - 1, 6.1 - 2])
+
+
+def test_llmq_log_nonfinite_torn_and_unescaped(tmp_path):
+    """What llmq really writes besides clean records: fmt's bare nan/inf for non-finite floats, a
+    string it did not escape, and (after a crash) a last record cut short."""
+    log = tmp_path / "llmq.json"
+    step = llmq_line("step", 1, step_tokens=4096, duration_ms=100, norm=0.5, loss=7.0, lr=1e-4)
+    lines = [
+        step,
+        step.replace('"step": 1', '"step": 2').replace("0.5", "inf").replace("7.0", "nan"),
+        step.replace('"step": 1', '"step": 3').replace("0.5", "-inf").replace("7.0", "-nan"),
+        llmq_line("info", 3, type="message", message="x").replace('"x"', '"say "hi": nan"'),
+        step.replace('"step": 1', '"step": 4'),
+        step.replace('"step": 1', '"step": 5')[:40],
+    ]
+    log.write_text("[\n" + ",\n".join(lines))  # no closing `]`: torn by a crash
+    s = plot.load(str(log))
+    assert list(s.step) == [1, 2, 3, 4]
+    assert s.loss[0] == 7.0 and math.isnan(s.loss[1]) and math.isnan(s.loss[2])
+    assert list(s.norm[1:3]) == [math.inf, -math.inf]
+    # The same records, closed but for the unescaped string: one whole-array parse fails.
+    log.write_text("[\n" + ",\n".join(lines[:5]) + "\n]\n")
+    assert list(plot.load(str(log)).step) == [1, 2, 3, 4]
+    # And clean but with bare nan: it parses whole.
+    log.write_text("[\n" + ",\n".join(lines[:3]) + "\n]\n")
+    assert [r["step"] for r in plot.read_records(str(log))] == [1, 2, 3]
 
 
 def test_ema_smooths_and_is_bias_corrected():
