@@ -50,6 +50,30 @@ for variant in "--noscan_layers" "--model_dtype=bfloat16 --opt_m_dtype=bfloat16 
 done
 fi
 
+if want profile; then
+echo "== issue 8: where the 1B step's time goes, and variants (B=8 T=2048, unrolled, bf16 weights+moments)"
+BASE="--model=llama-3.2-1b --batch_size=8 --seq_len=2048 --noscan_layers --model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16 --bench_steps=20 --measure_matmul_ceiling=false --json"
+run() {  # name, env..., -- bench flags...
+  local name=$1; shift; local envs=(); while [[ $1 != -- ]]; do envs+=("$1"); shift; done; shift
+  env "${envs[@]}" python3 -m jaxllmq.bench $BASE "$@" 2>"$OUT/prof-$name.txt" | tail -1 | \
+    python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); r["variant"]=sys.argv[1]; print(json.dumps(r))' "$name" | tee -a "$OUT/profile.jsonl"
+  grep -A30 "device kernel time" "$OUT/prof-$name.txt" | head -30
+}
+run base A=1 -- --profile_steps=3
+run fused JAXLLMQ_FUSE=1 -- --profile_steps=3
+run xla_lmhead JAXLLMQ_FUSE=1 -- --kernels=xla --lmhead_chunks=4 --profile_steps=3
+run no_triton_gemm JAXLLMQ_FUSE=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false --
+run fp32_master JAXLLMQ_FUSE=1 -- --model_dtype=float32 --opt_m_dtype=float32 --opt_v_dtype=float32 --profile_steps=3
+timeout 240 python3 benchmarks/peer_torch.py --model=llama-3.2-1b 2>"$OUT/err-peer.txt" | tail -1 | tee -a "$OUT/profile.jsonl" || tail -5 "$OUT/err-peer.txt"
+python3 - "$OUT/profile.jsonl" <<'PY'
+import json, sys
+for r in map(json.loads, open(sys.argv[1])):
+    name = r.get("variant", "peer")
+    print(f"{name:>16} {r['tokens_per_s']:>9,.0f} tok/s  {r.get('step_ms_median', 0):7.1f} ms  "
+          f"mem {r.get('peak_memory_gib_per_device') or r.get('peak_memory_gib', 0):5.1f} GiB  compile {r.get('compile_s', 0):5.1f} s")
+PY
+fi
+
 if want pretrain; then
 echo "== pretrain flagfile, 300 steps on the quickstart corpus"
 python3 -m jaxllmq.data.prepare --quickstart --out_dir=/tmp/qs > "$OUT/prepare.txt" 2>&1 || { tail "$OUT/prepare.txt"; exit 1; }

@@ -10,6 +10,7 @@ state and step through train.build, the code path a training run uses.
 import json
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jaxllmq import config, train
+from jaxllmq import config, profile, train
 from jaxllmq.data.pipeline import to_global_arrays
 from jaxllmq.log import PEAK_FLOPS_BF16
 from jaxllmq.model.config import PRESETS, ModelConfig, load_model_config
@@ -28,6 +29,12 @@ _bench_warmup = flags.DEFINE_integer(
     "bench_warmup", 3, "Untimed steps after compiling.", lower_bound=1
 )
 _json = flags.DEFINE_bool("json", False, "Print one JSON object instead of the table.")
+_profile_steps = flags.DEFINE_integer(
+    "profile_steps",
+    0,
+    "After timing, trace this many steps and report GPU kernel time by category (jaxllmq.profile).",
+    lower_bound=0,
+)
 _measure_ceiling = flags.DEFINE_bool(
     "measure_matmul_ceiling", True, "On GPU, time an 8192^3 bf16 matmul as the practical peak."
 )
@@ -76,6 +83,7 @@ def run_bench(
     ceiling: bool,
     kernels: str = "auto",
     lmhead_chunks: int = 1,
+    profile_steps: int = 0,
 ) -> dict:
     """Compile, warm up and time the train step; returns the measurements."""
     mesh = make_mesh(gpus, tensor_parallel=tensor_parallel)
@@ -120,6 +128,14 @@ def run_bench(
         state, m = step(state, batch)
         jax.block_until_ready(m)
         per_step.append(time.perf_counter() - t)
+    profiled = None
+    if profile_steps:
+        with tempfile.TemporaryDirectory() as trace_dir:
+            with profile.trace_steps(trace_dir):
+                for _ in range(profile_steps):
+                    state, m = step(state, batch)
+                jax.block_until_ready(m)
+            profiled = profile.breakdown(trace_dir, profile_steps)
     tokens_per_step = grad_accumulation * rows * seq_len
     tokens_per_s = tokens_per_step * steps / total_s
     flops = model_cfg.flops_per_token(seq_len) * tokens_per_s
@@ -154,6 +170,8 @@ def run_bench(
         "losses": [float(x) for x in losses[:: max(1, steps // 10)]],
         "jax_version": jax.__version__,
     }
+    if profiled is not None:
+        out["profile"] = profiled
     if on_gpu and ceiling:
         peak = matmul_ceiling()
         out["matmul_ceiling_tflops"] = peak / 1e12
@@ -189,9 +207,12 @@ def main(argv: list[str]) -> None:
         ceiling=_measure_ceiling.value,
         kernels=F.kernels,
         lmhead_chunks=F.lmhead_chunks,
+        profile_steps=_profile_steps.value,
     )
     if jax.process_index() != 0:
         return
+    if "profile" in result:
+        print(profile.format_breakdown(result["profile"]), file=sys.stderr)
     if _json.value:
         print(json.dumps(result))
         return

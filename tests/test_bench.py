@@ -22,6 +22,7 @@ def test_bench_reports_throughput_and_a_falling_loss():
         steps=4,
         warmup=1,
         ceiling=False,
+        profile_steps=1,
     )
     assert out["devices"] == 8  # the test's fake CPU devices
     tokens_per_step = 2 * 1 * 8 * 32
@@ -31,3 +32,4 @@ def test_bench_reports_throughput_and_a_falling_loss():
     )
     assert out["losses"][-1] < out["losses"][0]  # the same batch, so it must be learned
     assert out["compile_s"] > 0 and out["mfu_spec"] is None
+    assert out["profile"]["device_ms_per_step"] == 0  # the trace ran; a CPU has no GPU streams

@@ -1,0 +1,91 @@
+"""Where a step's device time goes: GPU kernel time from a jax.profiler trace, by category.
+
+    with trace_steps(tmpdir): run a few steps
+    breakdown(tmpdir, steps) -> {"categories": {...ms/step}, "kernels": [(name, ms/step, count)]}
+
+Reads the XSpace file jax.profiler writes (jax.profiler.ProfileData, no TensorBoard needed) and
+sums the kernels on each GPU stream line. Categories are told apart by kernel name; the mapping is
+heuristic, so the top kernels are printed with it to check it by eye.
+"""
+
+import collections
+import contextlib
+import glob
+import os
+from collections.abc import Iterator
+
+import jax
+from jax.profiler import ProfileData
+
+# First match wins; matched against the lower-cased kernel name.
+CATEGORIES = (
+    ("nccl", ("nccl",)),
+    ("attention", ("cudnn", "fmha", "flash", "sdpa", "attention")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul")),
+    ("pallas", ("pallas", "triton", "mosaic", "_kernel")),
+    ("copy", ("memcpy", "memset", "copy")),
+    ("fusion", ("fusion", "reduce", "convert", "transpose", "broadcast", "concatenate")),
+)
+
+
+def category(kernel: str) -> str:
+    """The category of a GPU kernel name ('other' when no pattern matches)."""
+    low = kernel.lower()
+    for name, patterns in CATEGORIES:
+        if any(p in low for p in patterns):
+            return name
+    return "other"
+
+
+@contextlib.contextmanager
+def trace_steps(log_dir: str) -> Iterator[None]:
+    """Trace what runs inside the block into log_dir (call block_until_ready before leaving)."""
+    jax.profiler.start_trace(log_dir)
+    try:
+        yield
+    finally:
+        jax.profiler.stop_trace()
+
+
+def kernel_times(profile: ProfileData) -> dict[str, tuple[float, int]]:
+    """Total ns and launch count per kernel name over every GPU stream of the trace."""
+    out: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    for plane in profile.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            # Stream lines hold the kernels; "XLA Ops"/"XLA Modules" lines repeat them as ops.
+            if not line.name.startswith("Stream"):
+                continue
+            for event in line.events:
+                out[event.name][0] += event.duration_ns
+                out[event.name][1] += 1
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def breakdown(log_dir: str, steps: int, top: int = 15) -> dict:
+    """Per-step ms by category and the `top` kernels, from the newest trace under log_dir."""
+    files = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True))
+    if not files:
+        raise FileNotFoundError(f"no *.xplane.pb trace under {log_dir}")
+    times = kernel_times(ProfileData.from_file(files[-1]))
+    per_step = lambda ns: ns / 1e6 / steps
+    cats: dict[str, float] = collections.defaultdict(float)
+    for name, (ns, _) in times.items():
+        cats[category(name)] += per_step(ns)
+    ranked = sorted(times.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+        "device_ms_per_step": sum(cats.values()),
+        "kernels": [(name, per_step(ns), count // steps) for name, (ns, count) in ranked],
+    }
+
+
+def format_breakdown(result: dict) -> str:
+    """The breakdown as a short table for the console."""
+    lines = [f"device kernel time {result['device_ms_per_step']:.1f} ms/step (all streams)"]
+    lines += [f"  {cat:>10} {ms:8.2f} ms" for cat, ms in result["categories"].items()]
+    lines.append("  top kernels (ms/step, launches/step, category):")
+    for name, ms, count in result["kernels"]:
+        lines.append(f"  {ms:8.2f} {count:5d}  {category(name):>9}  {name[:90]}")
+    return "\n".join(lines)

@@ -1,0 +1,54 @@
+"""jaxllmq.profile: kernel time by category from an XSpace trace, and the bench's --profile_steps."""
+
+import os
+
+from jax.profiler import ProfileData
+
+from jaxllmq import profile
+
+# Two steps of a fake GPU trace: a gemm of 3 ms and a fusion of 1 ms per step on the compute
+# stream, an NCCL kernel of 2 ms per step on another, and an "XLA Ops" line that repeats them.
+TRACE = """
+planes {
+  id: 1
+  name: "/device:GPU:0"
+  lines { id: 1 name: "Stream #13(Compute)" timestamp_ns: 0
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 3000000000 }
+    events { metadata_id: 2 offset_ps: 3000000000 duration_ps: 1000000000 }
+    events { metadata_id: 1 offset_ps: 5000000000 duration_ps: 3000000000 }
+    events { metadata_id: 2 offset_ps: 8000000000 duration_ps: 1000000000 }
+  }
+  lines { id: 2 name: "Stream #20(MemcpyP2P)" timestamp_ns: 0
+    events { metadata_id: 3 offset_ps: 0 duration_ps: 4000000000 }
+  }
+  lines { id: 3 name: "XLA Ops" timestamp_ns: 0
+    events { metadata_id: 4 offset_ps: 0 duration_ps: 9000000000 }
+  }
+  event_metadata { key: 1 value { id: 1 name: "nvjet_tst_128x256_64x4_1x2_h_bz_coopB_TNT" } }
+  event_metadata { key: 2 value { id: 2 name: "loop_multiply_fusion_3" } }
+  event_metadata { key: 3 value { id: 3 name: "ncclDevKernel_ReduceScatter_Sum_f32" } }
+  event_metadata { key: 4 value { id: 4 name: "dot.12" } }
+}
+planes { id: 2 name: "/host:CPU" }
+"""
+
+
+def test_categories_of_real_kernel_names():
+    assert profile.category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize") == "gemm"
+    assert profile.category("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
+    assert profile.category("ncclDevKernel_AllGather_RING_LL") == "nccl"
+    assert profile.category("input_reduce_fusion_7") == "fusion"
+    assert profile.category("something_else") == "other"
+
+
+def test_breakdown_sums_stream_kernels_per_step(tmp_path):
+    path = tmp_path / "run" / "host.xplane.pb"
+    os.makedirs(path.parent)
+    path.write_bytes(ProfileData.text_proto_to_serialized_xspace(TRACE))
+    out = profile.breakdown(str(tmp_path), steps=2)
+    assert out["categories"] == {"gemm": 3.0, "nccl": 2.0, "fusion": 1.0}
+    assert out["device_ms_per_step"] == 6.0
+    name, ms, count = out["kernels"][0]
+    assert name.startswith("nvjet") and ms == 3.0 and count == 1
+    assert "dot.12" not in {k for k, _, _ in out["kernels"]}  # the XLA Ops line is not counted
+    assert "gemm" in profile.format_breakdown(out)
