@@ -14,6 +14,9 @@ from jaxllmq.model.recompute import Recompute
 from jaxllmq.optim import OptimConfig
 
 DTYPES = ("float32", "bfloat16")
+# llmq's fp8 matmul dtype: activations in bfloat16, the block linears' GEMMs in fp8.
+FP8_MATMUL = ("e4m3",)
+FP8_GRADIENT = ("e4m3", "e5m2")
 SCHEDULES = ("cosine", "linear", "wsd")
 
 # ---- flag definitions (llmq's names and meanings, absl spelling; the dashed one works too) ----
@@ -31,7 +34,19 @@ _model_dtype = flags.DEFINE_enum(
     "model_dtype", "float32", DTYPES, "dtype of the master weights (what the optimizer updates)."
 )
 _matmul_dtype = flags.DEFINE_enum(
-    "matmul_dtype", "bfloat16", DTYPES, "dtype of activations and matmuls (fp32 accumulation)."
+    "matmul_dtype",
+    "bfloat16",
+    DTYPES + FP8_MATMUL,
+    "dtype of activations and matmuls (fp32 accumulation); e4m3: bfloat16 activations, the "
+    "block linears (q/k/v/o/gate/up/down) in fp8 with per-tensor scaling, LM head and "
+    "attention in bfloat16.",
+)
+_gradient_dtype = flags.DEFINE_enum(
+    "gradient_dtype",
+    None,
+    DTYPES + FP8_GRADIENT,
+    "dtype of the output gradients in the backward matmuls (default: --matmul_dtype's); with "
+    "--matmul_dtype=e4m3, e5m2 trades mantissa for range.",
 )
 _init_proj_to_zero = flags.DEFINE_bool(
     "init_proj_to_zero",
@@ -244,7 +259,9 @@ class ModelSpec:
     model: str
     from_scratch: bool = False
     model_dtype: str = "float32"
-    matmul_dtype: str = "bfloat16"
+    matmul_dtype: str = "bfloat16"  # the compute dtype (activations, LM head, attention)
+    linear_dtype: str | None = None  # "e4m3": block linears in fp8 (--matmul_dtype=e4m3)
+    gradient_dtype: str | None = None  # their backward GEMMs' gradients; None: linear_dtype
     init_proj_to_zero: bool = False
     scan_layers: bool = True
     attention: str = "auto"
@@ -258,6 +275,37 @@ class ModelSpec:
         if not self.from_scratch and not os.path.isdir(self.model):
             hint = " (a preset needs --from_scratch)" if self.model in PRESETS else ""
             raise ConfigError(f"--model={self.model}: no such Hugging Face model directory{hint}")
+        check_dtypes(self.model_dtype, self.matmul_dtype, self.linear_dtype, self.gradient_dtype)
+
+
+def check_dtypes(
+    model_dtype: str, matmul_dtype: str, linear_dtype: str | None, gradient_dtype: str | None
+) -> None:
+    """Refuse dtype combinations the model cannot run, naming the flag."""
+    if model_dtype not in DTYPES:
+        raise ConfigError(
+            f"--model_dtype={model_dtype}: master weights are one of {DTYPES}; fp8 is for "
+            "matmuls only (--matmul_dtype=e4m3)"
+        )
+    if matmul_dtype not in DTYPES:
+        raise ConfigError(f"--matmul_dtype={matmul_dtype}: not one of {DTYPES + FP8_MATMUL}")
+    if linear_dtype is None:
+        if gradient_dtype not in (None, matmul_dtype):
+            raise ConfigError(
+                f"--gradient_dtype={gradient_dtype} needs --matmul_dtype=e4m3 (only the fp8 "
+                f"matmuls take their own gradient dtype; --matmul_dtype={matmul_dtype} here)"
+            )
+        return
+    if linear_dtype not in FP8_MATMUL or matmul_dtype != "bfloat16":
+        raise ConfigError(
+            f"--matmul_dtype={linear_dtype} (block linears in fp8) computes in bfloat16, "
+            f"not {matmul_dtype}; fp8 linear dtypes: {FP8_MATMUL}"
+        )
+    if gradient_dtype not in (None, *FP8_GRADIENT):
+        raise ConfigError(
+            f"--gradient_dtype={gradient_dtype} with --matmul_dtype={linear_dtype}: the "
+            f"backward matmuls are fp8 too, one of {FP8_GRADIENT}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,11 +421,15 @@ def substitute_name(path: str | None, name: str) -> str | None:
 
 def model_spec_from_flags() -> ModelSpec:
     """The ModelSpec from the parsed flags."""
+    fp8 = _matmul_dtype.value in FP8_MATMUL
     return ModelSpec(
         model=_model.value,
         from_scratch=_from_scratch.value,
         model_dtype=_model_dtype.value,
-        matmul_dtype=_matmul_dtype.value,
+        # --matmul_dtype=e4m3 is two settings: bfloat16 compute, fp8 block linears.
+        matmul_dtype="bfloat16" if fp8 else _matmul_dtype.value,
+        linear_dtype=_matmul_dtype.value if fp8 else None,
+        gradient_dtype=_gradient_dtype.value,
         init_proj_to_zero=_init_proj_to_zero.value,
         scan_layers=_scan_layers.value,
         attention=_attention.value,

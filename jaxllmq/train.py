@@ -209,6 +209,8 @@ def build(
         attention=spec.attention,
         norm_impl=norm_impl,
         recompute=spec.recompute,
+        linear_dtype=spec.linear_dtype,
+        gradient_dtype=spec.gradient_dtype,
     )
     _, abstract, axes = abstract_model(model_cfg, **model_kwargs)
     # A layer's weights are used with their tensor-parallel sharding only (gathered over fsdp).

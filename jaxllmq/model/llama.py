@@ -10,6 +10,7 @@ Matrices are stored [in, out] (HF stores [out, in]; hf.py transposes).
 """
 
 import math
+import operator
 from collections.abc import Callable
 
 import jax
@@ -18,6 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxllmq.kernels.rms_norm import rms_norm
+from jaxllmq.model import fp8
 from jaxllmq.model.config import ModelConfig, rope_inv_freq
 from jaxllmq.model.recompute import ATT, FFN, NORM, QKV, RESID, SWIGLU, Recompute
 
@@ -104,17 +106,20 @@ def decoder_layer(
     dtype,
     attention: str,
     norm_impl: str,
+    linear: Callable[[jax.Array, jax.Array], jax.Array] = operator.matmul,
 ) -> jax.Array:
-    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). Params cast to `dtype` here."""
+    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). Params cast to `dtype` here.
+
+    `linear` is the q/k/v/o/gate/up/down matmul: `@` in `dtype`, or fp8 (model/fp8.py)."""
     B, T, _ = x_BxTxD.shape
     N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_per_head
     w = {k: v.astype(dtype) for k, v in p.items()}
     eps = cfg.rms_norm_eps
 
     h_BxTxD = checkpoint_name(rms_norm(x_BxTxD, w["input_layernorm"], eps, impl=norm_impl), NORM)
-    q = h_BxTxD @ w["q_proj"]
-    k = h_BxTxD @ w["k_proj"]
-    v = h_BxTxD @ w["v_proj"]
+    q = linear(h_BxTxD, w["q_proj"])
+    k = linear(h_BxTxD, w["k_proj"])
+    v = linear(h_BxTxD, w["v_proj"])
     if cfg.attention_bias:
         q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
     q_BxTxNxH = checkpoint_name(apply_rope(q.reshape(B, T, N, H), cos_BxTxH, sin_BxTxH), QKV)
@@ -125,14 +130,14 @@ def decoder_layer(
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True, implementation=attention
     )
     o_BxTxNxH = checkpoint_name(o_BxTxNxH, ATT)
-    x_BxTxD = checkpoint_name(x_BxTxD + o_BxTxNxH.reshape(B, T, N * H) @ w["o_proj"], RESID)
+    x_BxTxD = checkpoint_name(x_BxTxD + linear(o_BxTxNxH.reshape(B, T, N * H), w["o_proj"]), RESID)
 
     h_BxTxD = rms_norm(x_BxTxD, w["post_attention_layernorm"], eps, impl=norm_impl)
     h_BxTxD = checkpoint_name(h_BxTxD, NORM)
-    gate_BxTxF = checkpoint_name(h_BxTxD @ w["gate_proj"], FFN)
-    up_BxTxF = checkpoint_name(h_BxTxD @ w["up_proj"], FFN)
+    gate_BxTxF = checkpoint_name(linear(h_BxTxD, w["gate_proj"]), FFN)
+    up_BxTxF = checkpoint_name(linear(h_BxTxD, w["up_proj"]), FFN)
     swiglu_BxTxF = checkpoint_name(jax.nn.silu(gate_BxTxF) * up_BxTxF, SWIGLU)
-    return x_BxTxD + swiglu_BxTxF @ w["down_proj"]
+    return x_BxTxD + linear(swiglu_BxTxF, w["down_proj"])
 
 
 class Llama(nnx.Module):
@@ -152,9 +157,16 @@ class Llama(nnx.Module):
         constrain: Callable[[jax.Array], jax.Array] | None = None,
         gather_layer: Callable[[dict], dict] | None = None,
         init_proj_to_zero: bool = False,
+        linear_dtype: str | None = None,
+        gradient_dtype: str | None = None,
     ):
         self.cfg = cfg
         self.dtype = dtype
+        # Block linears in fp8 ("e4m3"; gradients in gradient_dtype, default the same), or None:
+        # in `dtype`. The LM head and attention stay in `dtype`, as llmq does.
+        self.linear_dtype = linear_dtype
+        self.gradient_dtype = gradient_dtype
+        fp8.linear_fn(linear_dtype, gradient_dtype)  # unknown names fail here, not in a trace
         self.scan_layers = scan_layers
         self.attention = resolve_attention(attention, dtype)
         self.norm_impl = norm_impl  # RMSNorm: "xla" or "pallas" (kernels.resolve_impl)
@@ -208,6 +220,7 @@ class Llama(nnx.Module):
                 dtype=self.dtype,
                 attention=self.attention,
                 norm_impl=self.norm_impl,
+                linear=fp8.linear_fn(self.linear_dtype, self.gradient_dtype),
             )
             return self.constrain(x)
 

@@ -1,0 +1,125 @@
+"""fp8 linear layers: `dense(x, w)` runs forward, dgrad and wgrad as fp8 GEMMs (llmq's e4m3 mode).
+
+Shape letters: M rows (all leading dims of x flattened), K in features, N out features.
+
+Scaling is per tensor and *current*: each step, each operand's scale comes from its own abs-max
+(x, w and the output gradient g alike). Nothing is carried between steps, so the train state,
+its checkpoints and the bit-exact resume are untouched, and the first step is as well scaled as
+the thousandth. The alternative, *delayed* scaling (Transformer Engine's default, flax's
+fp8_ops), scales with the max of an amax history from earlier steps: it skips one reduction per
+tensor but makes the history part of the train state and lets a sudden outlier saturate until
+the history catches up. One abs-max is a read of a tensor the quantize pass reads anyway (XLA
+fuses the two when it can), so current scaling is the simpler choice here; measure before
+switching. Under data or tensor parallelism the abs-max of a sharded tensor is a scalar
+all-reduce, which keeps the scale, and so the numbers, independent of the device count.
+
+Scales are powers of two (as in the MX formats' E8M0 scales): dividing by one and multiplying
+back are exact in any float dtype, so quantization's only rounding is the cast to fp8 itself,
+and the CPU (which emulates the fp8 dot) and cuBLASLt compute the same thing. The cost is at
+most one binade of the fp8 range: the abs-max lands in (max/2, max] instead of on max.
+
+How XLA's GPU compiler sees it: the GEMMs are `lax.dot_general` with float8 operands and
+`preferred_element_type` = the compute dtype (bf16), followed by a multiply by the product of the
+two scalar scales. GemmRewriter (xla/service/gpu/transforms/gemm_rewriter.cc) rewrites a dot
+whose operands are fp8 (directly, or `convert(fp8) * broadcast(scalar)`, the dequantize pattern)
+into one `__cublas$lt$matmul$f8` custom call, as long as one operand is e4m3 (cuBLASLt has no
+e5m2 x e5m2), each operand has one contracting and one non-contracting dimension (so x is
+flattened to [M, K] here) and the GPU is Ada/Hopper or newer. The direct form is the one chosen:
+with nothing but the dot in it, XLA's Triton GEMM fusion pass finds a "pure matmul" it leaves to
+cuBLAS, where a dequantize prologue would invite a Triton fusion instead. cuBLASLt accumulates fp8
+products in fp32 and rounds once to bf16 on output (the CPU path does the same: fp32 dot, one
+rounding); the scale multiply afterwards is exact (a power of two) and fuses into the consumer.
+Precision DEFAULT lets XLA turn on cuBLASLt's fast fp8 accumulation for the forward GEMM;
+HIGHEST keeps full fp32 accumulation for dgrad and wgrad (openxla/xla#6599; what Transformer
+Engine does too). benchmarks/fp8_check.py counts the custom calls in the compiled 1B step.
+"""
+
+import functools
+import operator
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+FP8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+
+
+def fp8_dtype(name: str):
+    """The float8 dtype for llmq's name ("e4m3" or "e5m2")."""
+    if name not in FP8_DTYPES:
+        raise ValueError(f"fp8 dtype must be one of {tuple(FP8_DTYPES)}, got {name!r}")
+    return FP8_DTYPES[name]
+
+
+def scale_of(x: jax.Array, dtype) -> jax.Array:
+    """Per-tensor power-of-two scale s (fp32 scalar) with abs-max(x) / s in (max/2, max] of dtype."""
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    # frexp: amax / max = m * 2^e with m in [0.5, 1); the smallest 2^k >= amax / max is 2^e, or
+    # 2^(e-1) when m is exactly 0.5. Exact, unlike ceil(log2(.)) near powers of two.
+    m, e = jnp.frexp(amax / float(jnp.finfo(dtype).max))
+    scale = jnp.ldexp(jnp.float32(1.0), jnp.where(m == 0.5, e - 1, e))
+    # An all-zero (or non-finite) tensor: scale 1, so zeros stay zeros and NaN stays visible.
+    return jnp.where((amax > 0) & jnp.isfinite(amax), scale, jnp.float32(1.0))
+
+
+def quantize(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
+    """x / scale in fp8, saturating: values past the format's max clip to it (e4m3fn has no inf;
+    a plain cast would make them NaN)."""
+    fmax = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(dtype)
+
+
+def _gemm(a, b, contract, scale, out_dtype, precision) -> jax.Array:
+    """fp8 a x b contracted over `contract`, fp32 accumulation, times scale, in out_dtype."""
+    out = lax.dot_general(
+        a, b, (contract, ((), ())), precision=precision, preferred_element_type=out_dtype
+    )
+    return out * scale.astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dense(x_MxK: jax.Array, w_KxN: jax.Array, dtype_name: str, grad_name: str) -> jax.Array:
+    return _dense_fwd(x_MxK, w_KxN, dtype_name, grad_name)[0]
+
+
+def _dense_fwd(x_MxK, w_KxN, dtype_name, grad_name):
+    dtype = fp8_dtype(dtype_name)
+    sx, sw = scale_of(x_MxK, dtype), scale_of(w_KxN, dtype)
+    qx_MxK, qw_KxN = quantize(x_MxK, dtype, sx), quantize(w_KxN, dtype, sw)
+    y_MxN = _gemm(qx_MxK, qw_KxN, ((1,), (0,)), sx * sw, x_MxK.dtype, lax.Precision.DEFAULT)
+    # Keep the fp8 copies for backward (half the bytes of bf16); w's dtype rides along as an
+    # empty array so its gradient can be returned in it.
+    return y_MxN, (qx_MxK, sx, qw_KxN, sw, jnp.zeros((0,), w_KxN.dtype))
+
+
+def _dense_bwd(dtype_name, grad_name, res, g_MxN):
+    qx_MxK, sx, qw_KxN, sw, w_dtype = res
+    gdtype = fp8_dtype(grad_name)
+    sg = scale_of(g_MxN, gdtype)
+    qg_MxN = quantize(g_MxN, gdtype, sg)
+    high = lax.Precision.HIGHEST  # no fast accumulation for gradients
+    dx_MxK = _gemm(qg_MxN, qw_KxN, ((1,), (1,)), sg * sw, g_MxN.dtype, high)
+    dw_KxN = _gemm(qx_MxK, qg_MxN, ((0,), (0,)), sx * sg, w_dtype.dtype, high)
+    return dx_MxK, dw_KxN
+
+
+_dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def dense(x: jax.Array, w_KxN: jax.Array, dtype: str = "e4m3", grad_dtype: str = "e4m3"):
+    """x [..., K] @ w [K, N] with fp8 GEMMs (forward in `dtype`, gradients in `grad_dtype`)."""
+    *lead, K = x.shape
+    y_MxN = _dense(x.reshape(-1, K), w_KxN, dtype, grad_dtype)
+    return y_MxN.reshape(*lead, w_KxN.shape[1])
+
+
+def linear_fn(
+    linear_dtype: str | None, gradient_dtype: str | None = None
+) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """The block linears' matmul: `x @ w` in the compute dtype (None), or fp8 `dense`."""
+    if linear_dtype is None:
+        return operator.matmul
+    fp8_dtype(linear_dtype)
+    fp8_dtype(gradient_dtype or linear_dtype)
+    return functools.partial(dense, dtype=linear_dtype, grad_dtype=gradient_dtype or linear_dtype)
