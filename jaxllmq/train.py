@@ -26,6 +26,7 @@ from jaxllmq.optim import (
     nonfinite_counts,
 )
 from jaxllmq.parallel import rules
+from jaxllmq.parallel.layer_weights import layer_weights_hook
 from jaxllmq.parallel.mesh import BATCH_AXES, TENSOR, batch_sharding, replicated
 from jaxllmq.parallel.rules import check_tensor_parallel
 
@@ -221,14 +222,19 @@ def build(
         )
         for name, x in abstract["layers"].items()
     }
+    # ...and its gradients reduced to their ZeRO sharding inside the backward pass, per layer.
+    layer_grads = {
+        name: NamedSharding(
+            mesh, rules.spec(axes["layers"][name][1:], x.shape[1:], tables.grads, mesh)
+        )
+        for name, x in abstract["layers"].items()
+    }
     activations = NamedSharding(mesh, PartitionSpec(BATCH_AXES, None, None))
     graphdef, _, _ = abstract_model(
         model_cfg,
         **model_kwargs,
         constrain=lambda x: jax.lax.with_sharding_constraint(x, activations),
-        gather_layer=lambda p: {
-            k: jax.lax.with_sharding_constraint(v, layer_compute[k]) for k, v in p.items()
-        },
+        gather_layer=layer_weights_hook(layer_compute, layer_grads, model_kwargs["dtype"]),
     )
     param_shardings = rules.shardings(axes, abstract, tables.params, mesh)
     params = init_params(spec, model_cfg, abstract, param_shardings, seed)
