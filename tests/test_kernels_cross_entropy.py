@@ -71,6 +71,7 @@ def _check(got, want, dtype, seed):
 
 
 IMPLS = [
+    pytest.param(dict(impl="xla", chunks=1), id="xla"),
     pytest.param(dict(impl="xla", chunks=3), id="xla-chunks3"),
     pytest.param(dict(impl="pallas", pallas_config=SMALL), id="pallas"),
 ]
