@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jaxllmq import config, profile, train
+from jaxllmq import config, profile, train, xla_flags
 from jaxllmq.data.pipeline import to_global_arrays
 from jaxllmq.log import PEAK_FLOPS_BF16
 from jaxllmq.model.config import PRESETS, ModelConfig, load_model_config
@@ -154,6 +154,7 @@ def run_bench(
         "grad_accumulation": grad_accumulation,
         "model_dtype": spec.model_dtype,
         "matmul_dtype": spec.matmul_dtype,
+        "linear_dtype": spec.linear_dtype,  # "e4m3": the block linears run in fp8
         "scan_layers": spec.scan_layers,
         "attention": spec.attention,
         "recompute": list(spec.recompute.names()) + (["block"] if spec.recompute.block else []),
@@ -187,6 +188,7 @@ def main(argv: list[str]) -> None:
         sys.exit("error: --model is required (a preset, or an HF directory)")
     F.from_scratch = F.from_scratch or F.model in PRESETS  # a preset has no weights to load
     mesh_cfg = config.mesh_from_flags()
+    xla_flags.apply_defaults()
     initialize_distributed(
         mesh_cfg.coordinator_address, mesh_cfg.num_processes, mesh_cfg.process_id
     )

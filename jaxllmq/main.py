@@ -7,7 +7,7 @@ import sys
 
 from absl import app
 
-from jaxllmq import config, trainer
+from jaxllmq import config, trainer, xla_flags
 from jaxllmq.checkpoint import CheckpointError
 from jaxllmq.data.shards import ShardError
 from jaxllmq.model import CheckpointFormatError, ModelConfigError
@@ -30,6 +30,7 @@ def main(argv: list[str]) -> None:
         cfg = config.from_flags()  # every config dataclass validates itself: ValueError
     except ValueError as e:
         sys.exit(f"error: {e}")
+    xla_flags.apply_defaults()
     initialize_distributed(
         cfg.mesh.coordinator_address, cfg.mesh.num_processes, cfg.mesh.process_id
     )

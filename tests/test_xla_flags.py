@@ -1,0 +1,17 @@
+"""The XLA flag defaults never override what the user set."""
+
+from jaxllmq.xla_flags import DEFAULTS, with_defaults
+
+
+def test_defaults_are_added_to_an_empty_environment():
+    assert with_defaults("").split() == [f"--{k}={v}" for k, v in DEFAULTS.items()]
+
+
+def test_a_user_setting_wins_and_other_flags_are_kept():
+    out = with_defaults(
+        "--xla_force_host_platform_device_count=8 --xla_gpu_enable_triton_gemm=true"
+    )
+    assert out.split().count("--xla_gpu_enable_triton_gemm=true") == 1
+    assert "--xla_gpu_enable_triton_gemm=false" not in out
+    assert "--xla_force_host_platform_device_count=8" in out
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in out
