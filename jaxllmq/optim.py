@@ -165,6 +165,23 @@ def scale_by_adam(
     return optax.GradientTransformation(init, update)
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """optax.clip_by_global_norm's arithmetic, with the norm given as `grad_norm` when known.
+
+    optax's computes the norm of the updates it is given; the host-offloaded update (offload.py)
+    applies the chain to one layer at a time and must clip by the norm of all the gradients.
+    """
+
+    def update(updates, state, params=None, *, grad_norm=None, **extra):
+        del params, extra
+        norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
+        keep = jnp.squeeze(norm < max_norm)
+        clip = lambda t: jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_norm)
+        return jax.tree.map(clip, updates), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
+
+
 class OptState(NamedTuple):
     """The optimizer state: step count, non-finite-step counters, and the inner chain's state."""
 
@@ -182,12 +199,13 @@ def make_optimizer(
     hold a NaN or Inf is skipped (params, moments and Adam's count unchanged) and counted.
 
     Its `update` needs `params` when weight_decay > 0. The lr the next update applies is
-    `lr_schedule(cfg, total_steps)(opt_state.count)`.
+    `lr_schedule(cfg, total_steps)(opt_state.count)`. Given part of the gradients (one layer),
+    `update` takes the whole gradients' `grad_norm` and `finite` as keywords.
     """
     schedule = lr_schedule(cfg, total_steps)
     parts = []
     if cfg.grad_clip > 0:
-        parts.append(optax.clip_by_global_norm(cfg.grad_clip))
+        parts.append(clip_by_global_norm(cfg.grad_clip))
     parts.append(
         scale_by_adam(
             cfg.beta_1,
@@ -212,9 +230,10 @@ def make_optimizer(
             inner=inner.init(params),
         )
 
-    def update(grads, state: OptState, params=None):
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-        updates, new_inner = inner.update(grads, state.inner, params)
+    def update(grads, state: OptState, params=None, *, grad_norm=None, finite=None):
+        if finite is None:
+            finite = all_finite(grads)
+        updates, new_inner = inner.update(grads, state.inner, params, grad_norm=grad_norm)
         # A select rather than lax.cond: it fuses into the elementwise Adam update, keeps the
         # donated buffers aliased, and never lets a NaN through (jnp.where does not propagate
         # the unselected branch).
@@ -232,7 +251,12 @@ def make_optimizer(
             inner=new_inner,
         )
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def all_finite(grads) -> jax.Array:
+    """Whether every gradient is finite (a step with a NaN or Inf is skipped)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
 
 
 def nonfinite_counts(opt_state: OptState) -> tuple[jax.Array, jax.Array]:
