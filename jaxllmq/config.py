@@ -11,6 +11,7 @@ from absl import flags, logging
 from jaxllmq.data.shards import expand_files
 from jaxllmq.model.config import PRESETS
 from jaxllmq.model.recompute import Recompute
+from jaxllmq.offload import Offload
 from jaxllmq.optim import OptimConfig
 
 DTYPES = ("float32", "bfloat16")
@@ -65,6 +66,15 @@ _recompute = {
         ("qkv", "Recompute the q/k/v projections in backward."),
         ("att", "Recompute the attention output (implies --recompute_qkv)."),
         ("block", "Recompute whole layers, keeping only their inputs (implies att, ffn, norm)."),
+    )
+}
+_offload = {
+    name: flags.DEFINE_bool(f"offload_{name}", False, help)
+    for name, help in (
+        ("master", "Keep the master weights in pinned host memory, streamed in layer by layer."),
+        ("opt_m", "Keep AdamW's first moment in pinned host memory, streamed for the update."),
+        ("opt_v", "Keep AdamW's second moment in pinned host memory, streamed for the update."),
+        ("residual", "Offload the residual stream kept for the backward pass to host memory."),
     )
 }
 _attention = flags.DEFINE_enum(
@@ -265,7 +275,8 @@ class ModelSpec:
     init_proj_to_zero: bool = False
     scan_layers: bool = True
     attention: str = "auto"
-    recompute: Recompute = Recompute()
+    recompute: Recompute = Recompute()  # with --offload_residual
+    offload: Offload = Offload()  # --offload_master, --offload_opt_m, --offload_opt_v
 
     def __post_init__(self):
         if self.from_scratch and self.model not in PRESETS and not os.path.isdir(self.model):
@@ -433,7 +444,11 @@ def model_spec_from_flags() -> ModelSpec:
         init_proj_to_zero=_init_proj_to_zero.value,
         scan_layers=_scan_layers.value,
         attention=_attention.value,
-        recompute=Recompute(**{name: holder.value for name, holder in _recompute.items()}),
+        recompute=Recompute(
+            **{name: holder.value for name, holder in _recompute.items()},
+            offload_residual=_offload["residual"].value,
+        ),
+        offload=Offload(**{k: _offload[k].value for k in ("master", "opt_m", "opt_v")}),
     )
 
 

@@ -19,6 +19,7 @@ from jaxllmq.kernels.cross_entropy import lm_head_loss
 from jaxllmq.model import hf
 from jaxllmq.model.config import ModelConfig
 from jaxllmq.model.llama import Llama, abstract_model, params_of
+from jaxllmq.offload import Streams, check_supported, place_opt, place_params
 from jaxllmq.optim import (
     OptimConfig,
     lr_schedule,
@@ -26,7 +27,6 @@ from jaxllmq.optim import (
     nonfinite_counts,
 )
 from jaxllmq.parallel import rules
-from jaxllmq.parallel.layer_weights import layer_weights_hook
 from jaxllmq.parallel.mesh import BATCH_AXES, TENSOR, batch_sharding, replicated
 from jaxllmq.parallel.rules import check_tensor_parallel
 
@@ -70,11 +70,13 @@ def make_train_step(
     loss_impl: str = "xla",
     lmhead_chunks: int = 1,
     grad_shardings: dict | None = None,
+    streams: Streams | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The pure train step: accumulate grads over the micro-batches, normalize, update.
 
     grad_shardings (ZeRO-2/3): each micro-batch's gradients are constrained to these, so XLA
     reduce-scatters them instead of all-reducing, and the fp32 accumulator is sharded too.
+    streams (host offload): the weights and the update stream to and from host memory.
     """
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
     if grad_shardings is None:
@@ -83,10 +85,12 @@ def make_train_step(
         shard_grads = lambda g: jax.lax.with_sharding_constraint(g, grad_shardings)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        weights = state.params if streams is None else streams.compute_params(state.params)
+
         def accumulate(carry, micro):
             grads, stats = carry
             (_, aux), g = grad_fn(
-                state.params, graphdef, micro, z_loss=z_loss, impl=loss_impl, chunks=lmhead_chunks
+                weights, graphdef, micro, z_loss=z_loss, impl=loss_impl, chunks=lmhead_chunks
             )
             # Accumulate in fp32: summing bf16 micro-batch grads loses their small components.
             grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, shard_grads(g))
@@ -105,13 +109,16 @@ def make_train_step(
         # so accumulation and masking do not reweight tokens.
         tokens = jnp.sum(batch["loss_mask"], dtype=jnp.int32)
         denom = jnp.maximum(tokens, 1).astype(jnp.float32)
-        grads = jax.tree.map(lambda g: g / denom, grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        if streams is None:
+            grads = jax.tree.map(lambda g: g / denom, grads)
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            params, norm = optax.apply_updates(state.params, updates), optax.tree.norm(grads)
+        else:
+            params, opt_state, norm = streams.update(grads, denom, state.opt_state, state.params)
         consecutive, total = nonfinite_counts(opt_state)
         metrics = {
             "loss": stats["ce_sum"] / denom,
-            "norm": optax.tree.norm(grads),
+            "norm": norm,
             "lr": schedule(state.step),
             "tokens": tokens,
             "lse_max": stats["lse_max"],
@@ -125,14 +132,19 @@ def make_train_step(
 
 
 def make_eval_step(
-    graphdef: nnx.GraphDef, *, loss_impl: str = "xla", lmhead_chunks: int = 1
+    graphdef: nnx.GraphDef,
+    *,
+    loss_impl: str = "xla",
+    lmhead_chunks: int = 1,
+    streams: Streams | None = None,
 ) -> Callable[[dict, Batch], tuple[jax.Array, jax.Array]]:
     """(ce_sum, tokens) over one [1, B, T] batch."""
 
     def eval_step(params: dict, batch: Batch) -> tuple[jax.Array, jax.Array]:
         micro = jax.tree.map(lambda x: x[0], batch)
+        weights = params if streams is None else streams.compute_params(params)
         _, aux = _micro_loss(
-            params, graphdef, micro, z_loss=0.0, impl=loss_impl, chunks=lmhead_chunks
+            weights, graphdef, micro, z_loss=0.0, impl=loss_impl, chunks=lmhead_chunks
         )
         return aux["ce_sum"], jnp.sum(micro["loss_mask"], dtype=jnp.int32)
 
@@ -210,8 +222,6 @@ def build(
         attention=spec.attention,
         norm_impl=norm_impl,
         recompute=spec.recompute,
-        linear_dtype=spec.linear_dtype,
-        gradient_dtype=spec.gradient_dtype,
     )
     _, abstract, axes = abstract_model(model_cfg, **model_kwargs)
     # A layer's weights are used with their tensor-parallel sharding only (gathered over fsdp).
@@ -222,21 +232,20 @@ def build(
         )
         for name, x in abstract["layers"].items()
     }
-    # ...and its gradients reduced to their ZeRO sharding inside the backward pass, per layer.
-    layer_grads = {
-        name: NamedSharding(
-            mesh, rules.spec(axes["layers"][name][1:], x.shape[1:], tables.grads, mesh)
-        )
-        for name, x in abstract["layers"].items()
-    }
     activations = NamedSharding(mesh, PartitionSpec(BATCH_AXES, None, None))
     graphdef, _, _ = abstract_model(
         model_cfg,
         **model_kwargs,
         constrain=lambda x: jax.lax.with_sharding_constraint(x, activations),
-        gather_layer=layer_weights_hook(layer_compute, layer_grads, model_kwargs["dtype"]),
+        gather_layer=lambda p: {
+            k: jax.lax.with_sharding_constraint(v, layer_compute[k]) for k, v in p.items()
+        },
     )
-    param_shardings = rules.shardings(axes, abstract, tables.params, mesh)
+    check_supported(mesh, spec.offload)
+    # Host offload: the master weights and/or Adam's moments live in pinned host memory.
+    param_shardings = place_params(
+        rules.shardings(axes, abstract, tables.params, mesh), spec.offload
+    )
     params = init_params(spec, model_cfg, abstract, param_shardings, seed)
     optimizer = make_optimizer(optim, total_steps, axes)
     rep = replicated(mesh)
@@ -249,6 +258,10 @@ def build(
         transform_non_params=lambda _: rep,
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
+    opt_shardings = place_opt(opt_shardings, spec.offload)
+    streams = None
+    if spec.offload.any:
+        streams = Streams(optimizer, param_shardings, opt_shardings, model_kwargs["dtype"])
     opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
     state_sharding = TrainState(step=rep, params=param_shardings, opt_state=opt_shardings)
@@ -262,13 +275,14 @@ def build(
             loss_impl=loss_impl,
             lmhead_chunks=lmhead_chunks,
             grad_shardings=rules.shardings(axes, abstract, tables.grads, mesh),
+            streams=streams,
         ),
         in_shardings=(state_sharding, data_sharding),
         out_shardings=(state_sharding, rep),
         donate_argnums=0,
     )
     eval_step = jax.jit(
-        make_eval_step(graphdef, loss_impl=loss_impl, lmhead_chunks=lmhead_chunks),
+        make_eval_step(graphdef, loss_impl=loss_impl, lmhead_chunks=lmhead_chunks, streams=streams),
         in_shardings=(param_shardings, data_sharding),
         out_shardings=rep,
     )

@@ -3,6 +3,10 @@
 Each switch drops its named activations from what the backward pass keeps, so they are
 recomputed from the layer's input instead: less memory, more FLOPs. llmq's implications hold:
 block => att + ffn + norm; att => qkv; ffn => swiglu. `block` keeps only each layer's input.
+
+`offload_residual` (llmq's --offload_residual) moves the residual stream after attention (RESID)
+to pinned host memory for the backward pass instead of keeping it on the device (or, under
+`block`, instead of recomputing it): jax.checkpoint_policies.save_and_offload_only_these_names.
 """
 
 import dataclasses
@@ -27,6 +31,7 @@ class Recompute:
     qkv: bool = False
     att: bool = False
     block: bool = False
+    offload_residual: bool = False
 
     def __post_init__(self):
         # llmq's implications, resolved once so the flags read as llmq users expect.
@@ -45,7 +50,15 @@ class Recompute:
 
     def wrap(self, layer: Callable, *, prevent_cse: bool = True) -> Callable:
         """`layer` under jax.checkpoint with this policy (unchanged when nothing is recomputed)."""
-        if self.block:
+        if self.offload_residual:
+            kept = [] if self.block else [n for n in SAVED if n not in self.names() and n != RESID]
+            policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+                names_which_can_be_saved=kept,
+                names_which_can_be_offloaded=[RESID],
+                offload_src="device",
+                offload_dst="pinned_host",
+            )
+        elif self.block:
             policy = jax.checkpoint_policies.nothing_saveable
         elif self.names():
             kept = [name for name in SAVED if name not in self.names()]

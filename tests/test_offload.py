@@ -1,0 +1,115 @@
+"""Host offload: each switch trains to the same losses, bit for bit, with its state in host memory.
+
+On CPU (jax 0.10) `pinned_host` is an addressable memory: the state's arrays live there and the
+compiled step's arguments carry it (S(5) in the entry layout), but a device_put inside jit lowers
+to nothing, so the streams' transfers are exercised as code, not as copies. The GPU side is
+benchmarks/offload_check.py.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from jaxllmq import checkpoint, train
+from jaxllmq.bench import synthetic_batch
+from jaxllmq.config import CheckpointConfig, ModelSpec
+from jaxllmq.model.config import preset
+from jaxllmq.model.recompute import Recompute
+from jaxllmq.offload import HOST, Offload
+from jaxllmq.optim import OptimConfig
+from jaxllmq.parallel.mesh import make_mesh
+
+CFG = dataclasses.replace(preset("tiny"), num_hidden_layers=2, vocab_size=512)
+OPTIM = OptimConfig(lr=3e-3, weight_decay=0.1, adam_epsilon=1e-6)
+BATCH = synthetic_batch(CFG, 2, 8, 32, seed=7)
+ALL = Offload(master=True, opt_m=True, opt_v=True)
+
+
+def _build(gpus: int = 1, zero_level: int = 1, **spec) -> train.Compiled:
+    spec = ModelSpec(model="tiny", from_scratch=True, **spec)
+    return train.build(
+        CFG, spec, OPTIM, mesh=make_mesh(gpus), total_steps=10, seed=0, kernels="xla",
+        zero_level=zero_level,
+    )  # fmt: skip
+
+
+def _train(built: train.Compiled, steps: int = 2, state=None, step=None) -> tuple[list, object]:
+    # A copy of the initial state: the step donates its input, and a built model serves twice.
+    state = state or jax.tree.map(lambda x: x.copy(), built.state)
+    losses, step = [], step or built.train_step
+    batch = jax.device_put(BATCH, built.batch_sharding)
+    for _ in range(steps):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    return losses, state
+
+
+def _kinds(tree) -> set[str]:
+    return {x.sharding.memory_kind for x in jax.tree.leaves(tree) if x.ndim > 0}
+
+
+def _moments(opt_state):
+    adam = opt_state.inner[1]  # clip -> Adam -> decay
+    return adam.mu, adam.nu
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    return _train(_build())[0]
+
+
+@pytest.fixture(scope="module")
+def offloaded() -> train.Compiled:
+    return _build(offload=ALL)
+
+
+# Every switch, and one alone: its parameters stay on the device, its moment goes to the host.
+@pytest.mark.parametrize("offload", [ALL, Offload(opt_m=True)])
+def test_each_switch_trains_bit_for_bit_from_host_memory(reference, offloaded, offload):
+    built = offloaded if offload == ALL else _build(offload=offload)
+    mu, nu = _moments(built.state.opt_state)
+    for tree, on in (
+        (built.state.params, offload.master),
+        (mu, offload.opt_m),
+        (nu, offload.opt_v),
+    ):
+        assert _kinds(tree) == {HOST if on else "device"}
+    batch = jax.device_put(BATCH, built.batch_sharding)
+    lowered = built.train_step.lower(built.state, batch)
+    assert 'mhlo.memory_kind = "pinned_host"' in lowered.as_text()
+    compiled = lowered.compile()
+    assert "S(5)" in compiled.as_text()  # host memory space in the entry layout
+    losses, state = _train(built, step=compiled)
+    assert losses == reference
+    assert _kinds(state.params) == _kinds(built.state.params)  # the step keeps them there
+
+
+def test_zero_3_on_8_devices_with_every_offload():
+    # Compute in fp32: on CPU a remat policy changes how XLA fuses bf16 arithmetic (rounding
+    # differs with and without it), offload or not; in fp32 the residual's offload is exact too.
+    kw = dict(matmul_dtype="float32")
+    losses, _ = _train(_build(8, 3, recompute=Recompute(swiglu=True), **kw))
+    built = _build(8, 3, recompute=Recompute(swiglu=True, offload_residual=True), offload=ALL, **kw)
+    q = built.state.params["layers"]["q_proj"]
+    assert q.sharding.spec[1] == "fsdp" and q.sharding.memory_kind == HOST
+    jaxpr = str(jax.make_jaxpr(built.train_step)(built.state, BATCH))
+    assert "MemorySpace.Host" in jaxpr  # the residual's offload, which CPU lowers to nothing
+    assert _train(built)[0] == losses
+
+
+def test_checkpoint_round_trip_of_host_resident_state(reference, offloaded, tmp_path):
+    built = offloaded
+    _, state = _train(built, steps=1)
+    ckpt = checkpoint.Checkpointing(
+        CheckpointConfig(checkpoint_dir=str(tmp_path)), run={}, model={}, info=print
+    )
+    ckpt.save(1, state, data={}, log={})
+    ckpt.close()
+    restored = checkpoint.restore_arrays(str(tmp_path / "1"), checkpoint.abstract_like(state))
+    assert _kinds(restored.params) == {HOST}
+    assert jax.tree.map(lambda x: x.sharding, restored) == jax.tree.map(lambda x: x.sharding, state)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert _train(built, steps=1, state=restored)[0] == reference[1:]
