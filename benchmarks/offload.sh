@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# On the GPU machine (issue 10): host offload of master weights, Adam moments and residuals.
+#   check  each switch trains the tiny preset to the no-offload losses (benchmarks/offload_check.py)
+#   1b     cost of each switch on the 1B, B=8 T=2048: tokens/s and peak memory
+#   8b     the 8B preset at T=4096, fp32 master + AdamW moments, every offload on; then without
+#          offload (expected not to fit: its error is recorded)
+# Usage: bash benchmarks/offload.sh [check] [1b] [8b]   (default: all three); results in $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+SECTIONS="${*:-check 1b 8b}"
+want() { [[ " $SECTIONS " == *" $1 "* ]]; }
+ALL="--offload_master --offload_opt_m --offload_opt_v --offload_residual"
+
+# bench LABEL FLAGS...: one line "LABEL<TAB>json" in $OUT/offload.tsv (or the error's last line).
+bench() {
+  local label=$1; shift
+  local line
+  line=$(timeout 580 python3 -m jaxllmq.bench --measure_matmul_ceiling=false --json "$@" \
+    2>"$OUT/err-$label.txt" | tail -1)
+  [[ $line == "{"* ]] || line="{\"error\": $(tail -1 "$OUT/err-$label.txt" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read().strip()[:200]))')}"
+  printf '%s\t%s\n' "$label" "$line" | tee -a "$OUT/offload.tsv"
+}
+
+if want check; then
+  echo "== each switch, tiny preset: losses equal to no offload"
+  python3 benchmarks/offload_check.py 2>&1 | grep '^{' | tee "$OUT/offload_check.jsonl"
+fi
+
+if want 1b; then
+  echo "== 1B, B=8 T=2048: cost of each switch"
+  B1="--model=llama-3.2-1b --batch_size=8 --seq_len=2048 --bench_steps=10"
+  bench 1b-none $B1
+  for s in master opt_m opt_v residual; do bench "1b-$s" $B1 --offload_$s; done
+  bench 1b-all $B1 $ALL
+fi
+
+if want 8b; then
+  echo "== 8B, B=1 T=4096, fp32 master and moments"
+  B8="--model=llama-3.1-8b --batch_size=1 --seq_len=4096 --lmhead_chunks=8 --bench_steps=5 --bench_warmup=2"
+  bench 8b-all $B8 $ALL
+  bench 8b-all-acc8 $B8 $ALL --grad_accumulation=8
+  bench 8b-moments $B8 --offload_opt_m --offload_opt_v
+  bench 8b-none $B8
+fi
+
+python3 - "$OUT/offload.tsv" <<'PY'
+import json, sys
+rows = dict(line.rstrip("\n").split("\t", 1) for line in open(sys.argv[1]) if "\t" in line)
+rows = {label: json.loads(text) for label, text in rows.items()}  # the latest run of each
+base = {k.split("-")[0]: r["tokens_per_s"] for k, r in rows.items() if k.endswith("-none") and "error" not in r}
+print(f"{'run':<14}{'tokens/s':>11}{'vs none':>9}{'peak GiB':>10}{'step ms':>9}{'compile s':>10}")
+for label, r in rows.items():
+    if "error" in r:
+        print(f"{label:<14}  failed: {r['error'][:90]}")
+        continue
+    b = base.get(label.split("-")[0])
+    rel = f"{r['tokens_per_s'] / b:.2f}x" if b else "-"
+    print(f"{label:<14}{r['tokens_per_s']:>11,.0f}{rel:>9}{r['peak_memory_gib_per_device'] or 0:>10.1f}"
+          f"{r['step_ms_median']:>9.0f}{r['compile_s']:>10.0f}")
+PY

@@ -1,0 +1,62 @@
+"""On the GPU: each host-offload switch trains the tiny preset to the same losses as none.
+
+    python benchmarks/offload_check.py [--model=tiny] [--steps=3]
+
+Prints one JSON line per switch: its losses, whether they equal the no-offload run's bit for bit,
+the memory kinds the state comes back in, and how many host-memory buffers (S(5)) the compiled
+step has. tests/test_offload.py checks the same on CPU, where the transfers lower to nothing.
+"""
+
+import json
+import sys
+
+import jax
+from absl import app, flags
+
+from jaxllmq import train
+from jaxllmq.bench import synthetic_batch
+from jaxllmq.config import ModelSpec
+from jaxllmq.model.config import load_model_config
+from jaxllmq.model.recompute import Recompute
+from jaxllmq.offload import Offload
+from jaxllmq.optim import OptimConfig
+from jaxllmq.parallel.mesh import make_mesh
+
+_model = flags.DEFINE_string("model", "tiny", "Preset to train.")
+_steps = flags.DEFINE_integer("steps", 3, "Steps per switch.")
+_matmul = flags.DEFINE_string("matmul_dtype", "bfloat16", "Compute dtype.")
+
+SWITCHES = {
+    "none": {},
+    "master": dict(offload=Offload(master=True)),
+    "opt_m": dict(offload=Offload(opt_m=True)),
+    "opt_v": dict(offload=Offload(opt_v=True)),
+    "all": dict(offload=Offload(True, True, True)),
+    "residual": dict(recompute=Recompute(offload_residual=True)),
+}
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    cfg = load_model_config(_model.value)
+    optim = OptimConfig(lr=3e-3, weight_decay=0.1)
+    batch = synthetic_batch(cfg, 2, 4, 128, seed=7)
+    base = None
+    for name, kw in SWITCHES.items():
+        spec = ModelSpec(model=_model.value, from_scratch=True, matmul_dtype=_matmul.value, **kw)
+        built = train.build(cfg, spec, optim, mesh=make_mesh(1), total_steps=10, seed=0)
+        b = jax.device_put(batch, built.batch_sharding)
+        hlo = built.train_step.lower(built.state, b).compile().as_text()
+        state, losses = built.state, []
+        for _ in range(_steps.value):
+            state, m = built.train_step(state, b)
+            losses.append(float(m["loss"]))
+        base = base or losses
+        kinds = sorted({x.sharding.memory_kind for x in jax.tree.leaves(state)})
+        out = dict(switch=name, losses=losses, same=losses == base, kinds=kinds)
+        print(json.dumps(dict(out, host_buffers=hlo.count("S(5)"))), flush=True)
+        del state, built
+
+
+if __name__ == "__main__":
+    sys.exit(app.run(main))
