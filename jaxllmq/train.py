@@ -27,6 +27,7 @@ from jaxllmq.optim import (
     nonfinite_counts,
 )
 from jaxllmq.parallel import rules
+from jaxllmq.parallel.layer_weights import layer_weights_hook
 from jaxllmq.parallel.mesh import BATCH_AXES, TENSOR, batch_sharding, replicated
 from jaxllmq.parallel.rules import check_tensor_parallel
 
@@ -222,6 +223,8 @@ def build(
         attention=spec.attention,
         norm_impl=norm_impl,
         recompute=spec.recompute,
+        linear_dtype=spec.linear_dtype,
+        gradient_dtype=spec.gradient_dtype,
     )
     _, abstract, axes = abstract_model(model_cfg, **model_kwargs)
     # A layer's weights are used with their tensor-parallel sharding only (gathered over fsdp).
@@ -232,14 +235,19 @@ def build(
         )
         for name, x in abstract["layers"].items()
     }
+    # ...and its gradients reduced to their ZeRO sharding inside the backward pass, per layer.
+    layer_grads = {
+        name: NamedSharding(
+            mesh, rules.spec(axes["layers"][name][1:], x.shape[1:], tables.grads, mesh)
+        )
+        for name, x in abstract["layers"].items()
+    }
     activations = NamedSharding(mesh, PartitionSpec(BATCH_AXES, None, None))
     graphdef, _, _ = abstract_model(
         model_cfg,
         **model_kwargs,
         constrain=lambda x: jax.lax.with_sharding_constraint(x, activations),
-        gather_layer=lambda p: {
-            k: jax.lax.with_sharding_constraint(v, layer_compute[k]) for k, v in p.items()
-        },
+        gather_layer=layer_weights_hook(layer_compute, layer_grads, model_kwargs["dtype"]),
     )
     check_supported(mesh, spec.offload)
     # Host offload: the master weights and/or Adam's moments live in pinned host memory.
