@@ -154,6 +154,13 @@ def test_resolve_impl():
         assert resolve_impl("auto", kernel, platform="gpu", num_devices=8) == "xla"
     with pytest.raises(ValueError, match="auto, pallas or xla"):
         resolve_impl("triton", "rms_norm")
+    # Per kernel: the one named is as asked, the other auto.
+    mixed = "rms_norm=pallas,lm_head_loss=xla"
+    assert resolve_impl(mixed, "rms_norm", platform="cpu") == "pallas"
+    assert resolve_impl(mixed, "lm_head_loss", platform="gpu") == "xla"
+    assert resolve_impl("lm_head_loss=pallas", "rms_norm", platform="cpu") == "xla"
+    with pytest.raises(ValueError, match="kernel=impl"):
+        resolve_impl("rms_norm=cuda", "rms_norm")
     with pytest.raises(ValueError, match="unknown kernel"):
         resolve_impl("auto", "softmax")
     with pytest.raises(ValueError, match="unknown impl"):

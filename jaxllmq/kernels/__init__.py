@@ -15,6 +15,27 @@ KERNELS = ("rms_norm", "lm_head_loss")
 AUTO_GPU = {"rms_norm": "pallas", "lm_head_loss": "pallas"}
 
 
+def parse_kernels(kernels: str) -> dict[str, str]:
+    """--kernels as a choice per kernel: "auto"/"pallas"/"xla" for all, or "name=impl,..."."""
+    choices = ("auto", "pallas", "xla")
+    if "=" not in kernels:
+        if kernels not in choices:
+            raise ValueError(
+                f"--kernels must be auto, pallas or xla, or kernel=impl pairs, got {kernels!r}"
+            )
+        return dict.fromkeys(KERNELS, kernels)
+    out = dict.fromkeys(KERNELS, "auto")
+    for part in kernels.split(","):
+        name, _, impl = part.partition("=")
+        if name not in KERNELS or impl not in choices:
+            raise ValueError(
+                f"--kernels: {part!r} is not kernel=impl with kernel in {', '.join(KERNELS)} "
+                "and impl auto, pallas or xla (e.g. --kernels=rms_norm=pallas,lm_head_loss=xla)"
+            )
+        out[name] = impl
+    return out
+
+
 def resolve_impl(
     kernels: str, kernel: str, *, platform: str | None = None, num_devices: int = 1
 ) -> str:
@@ -27,10 +48,9 @@ def resolve_impl(
     """
     if kernel not in KERNELS:
         raise ValueError(f"resolve_impl: unknown kernel {kernel!r} (expected one of {KERNELS})")
-    if kernels in ("pallas", "xla"):
-        return kernels
-    if kernels != "auto":
-        raise ValueError(f"--kernels must be auto, pallas or xla, got {kernels!r}")
+    choice = parse_kernels(kernels)[kernel]
+    if choice != "auto":
+        return choice
     platform = platform or jax.default_backend()
     if platform not in ("gpu", "cuda") or num_devices > 1:
         return "xla"
