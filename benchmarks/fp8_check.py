@@ -28,7 +28,7 @@ import sys
 import jax
 from absl import app, flags
 
-from jaxllmq import config, train
+from jaxllmq import config, train, xla_flags
 from jaxllmq.bench import synthetic_batch
 from jaxllmq.data.pipeline import to_global_arrays
 from jaxllmq.model.config import PRESETS, ModelConfig, load_model_config
@@ -117,6 +117,7 @@ def main(argv: list[str]) -> None:
     if F.model is None:
         sys.exit("error: --model is required (a preset, or an HF directory)")
     F.from_scratch = F.from_scratch or F.model in PRESETS
+    xla_flags.apply_defaults()  # the trainer's XLA flags: the HLO checked is the HLO trained
     spec = config.model_spec_from_flags()
     if spec.linear_dtype is None:
         sys.exit("error: give --matmul_dtype=e4m3 (this checks the fp8 path)")

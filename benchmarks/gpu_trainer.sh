@@ -60,10 +60,7 @@ run() {  # name, env..., -- bench flags...
   grep -A30 "device kernel time" "$OUT/prof-$name.txt" | head -30
 }
 run base A=1 -- --profile_steps=3
-run fused JAXLLMQ_FUSE=1 -- --profile_steps=3
-run xla_lmhead JAXLLMQ_FUSE=1 -- --kernels=xla --lmhead_chunks=4 --profile_steps=3
-run no_triton_gemm JAXLLMQ_FUSE=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false --
-run fp32_master JAXLLMQ_FUSE=1 -- --model_dtype=float32 --opt_m_dtype=float32 --opt_v_dtype=float32 --profile_steps=3
+run triton_gemm XLA_FLAGS=--xla_gpu_enable_triton_gemm=true --
 timeout 240 python3 benchmarks/peer_torch.py --model=llama-3.2-1b 2>"$OUT/err-peer.txt" | tail -1 | tee -a "$OUT/profile.jsonl" || tail -5 "$OUT/err-peer.txt"
 python3 - "$OUT/profile.jsonl" <<'PY'
 import json, sys
