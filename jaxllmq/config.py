@@ -173,6 +173,12 @@ _tensorboard_dir = flags.DEFINE_string(
     "Also write the step and eval scalars as TensorBoard event files here (needs the "
     "`tensorboard` extra: tensorboardX); %n = --name.",
 )
+_wandb_project = flags.DEFINE_string(
+    "wandb_project",
+    None,
+    "Also log the step and eval scalars to this Weights & Biases project, the run named --name "
+    "(needs the `wandb` extra; `wandb login` or WANDB_MODE=offline first).",
+)
 _log_gpu_util = flags.DEFINE_integer(
     "log_gpu_util",
     100,
@@ -406,6 +412,7 @@ class TrainConfig:
     out_dir: str | None = None
     log_file: str | None = None
     tensorboard_dir: str | None = None
+    wandb_project: str | None = None
     log_gpu_util: int = 100
     name: str = "run"
     mesh: MeshConfig = MeshConfig()
@@ -531,6 +538,7 @@ def from_flags() -> TrainConfig:
         out_dir=substitute_name(_out_dir.value, name),
         log_file=substitute_name(_log_file.value, name),
         tensorboard_dir=substitute_name(_tensorboard_dir.value, name),
+        wandb_project=_wandb_project.value,
         log_gpu_util=_log_gpu_util.value,
         name=name,
         mesh=mesh_from_flags(),

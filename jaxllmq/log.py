@@ -2,8 +2,8 @@
 progress bar on a terminal, MFU, and loss / grad-norm outlier messages by running z-score.
 
 Dependency-free on purpose (stdlib + numpy): the host loop calls it with Python floats, and tools
-(plot, bench) can read what it writes without jax. The optional TensorBoard sink imports tensorboardX
-only when asked for.
+(plot, bench) can read what it writes without jax. The optional TensorBoard and W&B sinks import
+tensorboardX / wandb only when asked for.
 """
 
 import collections
@@ -104,6 +104,17 @@ def _tensorboard_writer(logdir: str) -> Any:
     return SummaryWriter(logdir=logdir, flush_secs=30)
 
 
+def _wandb_run(project: str, name: str | None, config: dict | None) -> Any:
+    """A W&B run in `project`, or an error that says what to install."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError(
+            "--wandb_project needs wandb: pip install 'jaxllmq[wandb]' (or pip install wandb)"
+        ) from e
+    return wandb.init(project=project, name=name, config=_clean(config or {}))
+
+
 class RunLog:
     """The run's console output and JSON Lines log; only the main process writes either.
 
@@ -127,6 +138,9 @@ class RunLog:
         outlier_z: float = 4.0,
         eta_window: int = 20,
         tensorboard_dir: str | None = None,
+        wandb_project: str | None = None,
+        run_name: str | None = None,
+        run_config: dict | None = None,
     ):
         self.total_steps = total_steps
         self.flops_per_token = flops_per_token
@@ -149,6 +163,9 @@ class RunLog:
             self._fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             self._end_partial_line(log_file)
         self._tb = _tensorboard_writer(tensorboard_dir) if is_main and tensorboard_dir else None
+        self._wandb = None
+        if is_main and wandb_project:
+            self._wandb = _wandb_run(wandb_project, run_name, run_config)
 
     def _end_partial_line(self, path: str) -> None:
         # A crash in the middle of a write (or a copy cut short) can leave a last line without
@@ -271,11 +288,13 @@ class RunLog:
             self._print(message)
 
     def _scalars(self, prefix: str, step: int, values: dict[str, float]) -> None:
-        if self._tb is None:
-            return
-        for name, value in values.items():
-            if math.isfinite(value):  # TensorBoard charts break on NaN/inf; the JSONL keeps them
-                self._tb.add_scalar(f"{prefix}/{name}", value, step)
+        # Charts break on NaN/inf; the JSONL keeps them.
+        finite = {f"{prefix}/{k}": v for k, v in values.items() if math.isfinite(v)}
+        if self._tb is not None:
+            for tag, value in finite.items():
+                self._tb.add_scalar(tag, value, step)
+        if self._wandb is not None and finite:
+            self._wandb.log(finite, step=step)
 
     def _print(self, text: str) -> None:
         # On a terminal, a permanent line goes above the progress bar, which is then redrawn.
@@ -309,6 +328,9 @@ class RunLog:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> "RunLog":
         return self

@@ -56,6 +56,9 @@ class Trainer:
             peak_flops=PEAK_FLOPS_BF16 * n_dev if on_gpu else 0.0,
             is_main=jax.process_index() == 0,
             tensorboard_dir=cfg.tensorboard_dir,
+            wandb_project=cfg.wandb_project,
+            run_name=cfg.name,
+            run_config=dataclasses.asdict(cfg),
         )
         # NVML only where this process logs: other processes' telemetry would not be written.
         self.nvml = Nvml() if self.log.is_main else None

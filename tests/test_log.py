@@ -3,6 +3,8 @@
 import io
 import json
 import math
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -283,3 +285,38 @@ def test_tensorboard_missing_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_tensorboardx)
     with pytest.raises(ImportError, match=r"jaxllmq\[tensorboard\]"):
         RunLog(None, total_steps=1, flops_per_token=0, tensorboard_dir=str(tmp_path))
+
+
+class _FakeWandbRun:
+    def __init__(self, **init):
+        self.init, self.logged, self.finished = init, [], False
+
+    def log(self, data: dict, step: int) -> None:
+        self.logged.append((step, data))
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def test_wandb_sink_logs_the_scalars(monkeypatch):
+    runs = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: runs.append(_FakeWandbRun(**kw)) or runs[-1]
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    kw = dict(total_steps=2, flops_per_token=0, peak_flops=0, stream=io.StringIO())
+    RunLog(None, **kw, is_main=False, wandb_project="p").close()
+    assert not runs  # only the main process logs
+    log = RunLog(None, **kw, wandb_project="p", run_name="r", run_config={"lr": (1e-3,)})
+    log.step(1, loss=3.0, norm=0.5, lr=1e-3, tokens=1000, duration_ms=100.0)
+    log.step(2, loss=math.nan, norm=0.5, lr=1e-3, tokens=1000, duration_ms=100.0)
+    log.eval(2, loss=2.5, tokens=512)
+    log.close()
+    (run,) = runs
+    assert run.init == {"project": "p", "name": "r", "config": {"lr": [1e-3]}}
+    train = {"train/norm": 0.5, "train/lr": 1e-3, "train/tokens_per_s": 1e4}
+    assert run.logged == [
+        (1, {"train/loss": 3.0, **train}),
+        (2, train),  # the NaN loss is left to the JSONL
+        (2, {"eval/loss": 2.5}),
+    ]
+    assert run.finished
