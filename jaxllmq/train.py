@@ -27,7 +27,6 @@ from jaxllmq.optim import (
     nonfinite_counts,
 )
 from jaxllmq.parallel import rules
-from jaxllmq.parallel.layer_weights import layer_weights_hook
 from jaxllmq.parallel.mesh import BATCH_AXES, TENSOR, batch_sharding, replicated
 from jaxllmq.parallel.rules import check_tensor_parallel
 
@@ -235,19 +234,18 @@ def build(
         )
         for name, x in abstract["layers"].items()
     }
-    # ...and its gradients reduced to their ZeRO sharding inside the backward pass, per layer.
-    layer_grads = {
-        name: NamedSharding(
-            mesh, rules.spec(axes["layers"][name][1:], x.shape[1:], tables.grads, mesh)
-        )
-        for name, x in abstract["layers"].items()
-    }
     activations = NamedSharding(mesh, PartitionSpec(BATCH_AXES, None, None))
     graphdef, _, _ = abstract_model(
         model_cfg,
         **model_kwargs,
         constrain=lambda x: jax.lax.with_sharding_constraint(x, activations),
-        gather_layer=layer_weights_hook(layer_compute, layer_grads, model_kwargs["dtype"]),
+        # Cast before the constraint: ZeRO-3's per-layer all-gather moves compute-dtype bytes.
+        # (The backward needs no hook: XLA's partitioner reduces each layer's weight gradient
+        # where its GEMM produces the partial sums, scanned or unrolled, in the GEMM's dtype.)
+        gather_layer=lambda p: {
+            k: jax.lax.with_sharding_constraint(v.astype(model_kwargs["dtype"]), layer_compute[k])
+            for k, v in p.items()
+        },
     )
     check_supported(mesh, spec.offload)
     # Host offload: the master weights and/or Adam's moments live in pinned host memory.
