@@ -185,6 +185,9 @@ class Compiled:
     train_step: Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
     eval_step: Callable[[dict, Batch], tuple[jax.Array, jax.Array]]
     batch_sharding: jax.sharding.Sharding
+    # The params as device arrays in the compute dtype, for code outside the steps (sampling):
+    # with --offload_master the state's params live in host memory.
+    weights: Callable[[dict], dict] = lambda params: params
 
 
 def build(
@@ -292,4 +295,5 @@ def build(
         in_shardings=(param_shardings, data_sharding),
         out_shardings=rep,
     )
-    return Compiled(graphdef, axes, state, train_step, eval_step, data_sharding)
+    weights = jax.jit(streams.compute_params) if streams is not None else (lambda p: p)
+    return Compiled(graphdef, axes, state, train_step, eval_step, data_sharding, weights)

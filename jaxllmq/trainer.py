@@ -223,7 +223,7 @@ class Trainer:
 
     def _sample(self, step: int) -> None:
         """Log greedy continuations of the sample prompts by the current params."""
-        for prompt, text in self.sampler(self.state.params):
+        for prompt, text in self.sampler(self.compiled.weights(self.state.params)):
             self.log.sample(step, prompt=prompt, text=text)
 
     def _eval_due(self, step: int) -> bool:

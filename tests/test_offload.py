@@ -84,6 +84,11 @@ def test_each_switch_trains_bit_for_bit_from_host_memory(reference, offloaded, o
     losses, state = _train(built, step=compiled)
     assert losses == reference
     assert _kinds(state.params) == _kinds(built.state.params)  # the step keeps them there
+    # What the sampler gets: device arrays; streamed from the host, the layers in bf16.
+    weights = built.weights(state.params)
+    assert _kinds(weights) == {"device"}
+    want = "bfloat16" if offload.master else "float32"
+    assert {x.dtype.name for x in jax.tree.leaves(weights["layers"])} == {want}
 
 
 def test_zero_3_on_8_devices_with_every_offload():
