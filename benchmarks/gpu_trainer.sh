@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: cuDNN-vs-XLA attention check, the 1B step benchmark (scan and unrolled), and
 # the llama-3.2-1b-pretrain flagfile for 300 steps on the quickstart corpus. Logs go to $OUT.
-# Usage: bash benchmarks/gpu_trainer.sh [attention] [bench] [kernels] [checkpoint] [speed] [pretrain]
+# Usage: bash benchmarks/gpu_trainer.sh [attention] [bench] [kernels] [checkpoint] [speed] [profile] [8b] [pretrain]
 # (default: attention bench pretrain)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -68,6 +68,31 @@ for r in map(json.loads, open(sys.argv[1])):
     name = r.get("variant", "peer")
     print(f"{name:>16} {r['tokens_per_s']:>9,.0f} tok/s  {r.get('step_ms_median', 0):7.1f} ms  "
           f"mem {r.get('peak_memory_gib_per_device') or r.get('peak_memory_gib', 0):5.1f} GiB  compile {r.get('compile_s', 0):5.1f} s")
+PY
+fi
+
+if want 8b; then
+echo "== issue 8: the 8B preset's largest micro-batch (T=2048, bf16 weights and moments), without and with --recompute_block"
+# Largest first; the first that compiles and runs is the answer (an OOM fails the bench fast).
+probe() {  # label, batch sizes, flags...
+  local label=$1 sizes=$2; shift 2
+  for b in $sizes; do
+    if python3 -m jaxllmq.bench --model=llama-3.1-8b --batch_size=$b --seq_len=2048 --noscan_layers \
+        --model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16 --bench_steps=5 \
+        --bench_warmup=1 --measure_matmul_ceiling=false --json "$@" 2>"$OUT/err-8b.txt" | grep '^{' | tail -1 | \
+        python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); r["label"]=sys.argv[1]; print(json.dumps(r))' "$label" >> "$OUT/8b.jsonl"; then
+      echo "$label: batch $b fits"; return
+    fi
+    echo "$label: batch $b does not fit ($(grep -o 'RESOURCE_EXHAUSTED[^.]*' "$OUT/err-8b.txt" | head -1))"
+  done
+}
+probe no-recompute "8 6 4 3 2 1"
+probe recompute-block "32 24 16 12 8" --recompute_block
+python3 - "$OUT/8b.jsonl" <<'PY'
+import json, sys
+for r in map(json.loads, open(sys.argv[1])):
+    print(f"{r['label']:>16} B={r['batch_size']:>3} {r['tokens_per_s']:>8,.0f} tok/s  MFU {100 * r['mfu_spec']:.1f}%  "
+          f"{r['peak_memory_gib_per_device']:.1f} GiB  step {r['step_ms_median']:.0f} ms  compile {r['compile_s']:.0f} s")
 PY
 fi
 
