@@ -4,6 +4,8 @@
 # and on 2 processes x 1 GPU (ZeRO-1, ZeRO-3); fp32 master weights, then pure bf16 weights and
 # moments. One JSON line per run in $OUT/scaling.jsonl; a table at the end. Efficiency is against
 # 1 GPU with the same weights and kernels (XLA's: a Pallas call has no SPMD rule, see kernels/).
+# NCCL settings pass through the environment, e.g. `NCCL_PROTO=Simple bash benchmarks/gpu_scaling.sh`
+# (the 04:47 UTC profile showed the per-layer all-reduces running NCCL's ring LL protocol).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
