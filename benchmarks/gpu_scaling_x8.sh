@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Issue 12 on an nvidia-h200-x8 machine (8 H200s of one host). Sections, each under 10 minutes:
+#   1b     Llama-3.2-1B shapes, B=8 x 2048 per GPU, unrolled, fp32 master: tokens/s per GPU on
+#          1, 2, 4 and 8 GPUs at ZeRO-1/2/3, efficiency 1 -> N against the one-GPU run
+#   8b     Llama-3.1-8B shapes, seq 8192, B=1 per GPU, ZeRO-3 on 8 GPUs, bf16 and e4m3 (with
+#          --recompute_block only if the plain run does not fit), then TP=2 x ZeRO-3 and TP=8
+#   procs  8 processes x 1 GPU through launch/local.sh against 1 process x 8 GPUs: the same
+#          20 training steps of the 1B on the quickstart corpus, losses compared step by step
+# Usage: bash benchmarks/gpu_scaling_x8.sh [1b] [8b] [procs]   (default: all; JSON in $OUT)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+nvidia-smi topo -m | head -10
+SECTIONS="${*:-1b 8b procs}"
+want() { [[ " $SECTIONS " == *" $1 "* ]]; }
+bench() {  # label, flags... -> one JSON line (with "label") in $OUT/x8.jsonl; returns non-zero on failure
+  local label=$1; shift
+  python3 -m jaxllmq.bench --measure_matmul_ceiling=false --json "$@" 2>"$OUT/err-$label.txt" | grep '^{' | tail -1 | \
+    python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); r["label"]=sys.argv[1]; print(json.dumps(r))' "$label" \
+    | tee -a "$OUT/x8.jsonl" || { echo "$label failed: $(grep -m1 -o 'RESOURCE_EXHAUSTED.\{0,80\}\|Error.\{0,120\}' "$OUT/err-$label.txt")"; return 1; }
+}
+
+if want 1b; then
+  B1=(--model=llama-3.2-1b --batch_size=8 --seq_len=2048 --noscan_layers --bench_steps=12)
+  bench 1b-g1 "${B1[@]}" --gpus=1 --kernels=xla
+  for g in 2 4 8; do for z in 1 2 3; do bench "1b-g$g-z$z" "${B1[@]}" --gpus=$g --zero_level=$z; done; done
+fi
+
+if want 8b; then
+  B8=(--model=llama-3.1-8b --batch_size=1 --seq_len=8192 --noscan_layers --gpus=8 --bench_steps=8 --bench_warmup=2)
+  for mm in bfloat16 e4m3; do
+    bench "8b-z3-$mm" "${B8[@]}" --zero_level=3 --matmul_dtype=$mm ||
+      bench "8b-z3-$mm-recompute" "${B8[@]}" --zero_level=3 --matmul_dtype=$mm --recompute_block
+  done
+  bench 8b-tp2-z3 "${B8[@]}" --zero_level=3 --tensor_parallel=2
+  bench 8b-tp8 "${B8[@]}" --zero_level=1 --tensor_parallel=8
+fi
+
+if want procs; then
+  python3 -m jaxllmq.data.prepare --quickstart --out_dir=/tmp/qs > "$OUT/prepare.txt" 2>&1 || { tail -3 "$OUT/prepare.txt"; exit 1; }
+  RUN=(--flagfile=configs/llama-3.2-1b-pretrain.flags --train_file='/tmp/qs/train-*.bin' --eval_file=/tmp/qs/eval.bin
+       --steps=20 --grad_accumulation=1 --warmup=5 --cooldown=5 --eval_every_n_steps=20 --eval_num_steps=2 --out_dir=)
+  python3 -m jaxllmq.main "${RUN[@]}" --name=one --log_file="$OUT/one-process.jsonl" > "$OUT/one.txt" 2>&1
+  echo "1 process x 8 GPUs: exit $?"
+  launch/local.sh 8 "${RUN[@]}" --name=eight --log_file="$OUT/eight-processes.jsonl" > "$OUT/eight.txt" 2>&1
+  echo "8 processes x 1 GPU: exit $?"
+  python3 - "$OUT/one-process.jsonl" "$OUT/eight-processes.jsonl" <<'PY'
+import json, sys
+loss = lambda f: {r["step"]: r["loss"] for r in map(json.loads, open(f)) if r.get("log") == "step"}
+a, b = loss(sys.argv[1]), loss(sys.argv[2])
+diffs = [abs(a[s] - b[s]) / abs(a[s]) for s in sorted(a) if s in b]
+print(f"steps compared {len(diffs)}; max relative loss difference {max(diffs):.2e}; "
+      f"step 20: {a.get(20)} vs {b.get(20)}")
+PY
+fi
+
+python3 - "$OUT/x8.jsonl" <<'PY'
+import json, os, sys
+if not os.path.exists(sys.argv[1]):
+    sys.exit()
+rows = [json.loads(l) for l in open(sys.argv[1])]
+one = next((r["tokens_per_s"] for r in rows if r["label"] == "1b-g1"), None)
+print(f"{'run':>22} {'GPUs':>4} {'tok/s':>10} {'tok/s/GPU':>10} {'eff':>6} {'MFU':>6} {'GiB/GPU':>8} {'step ms':>8}")
+for r in rows:
+    per = r["tokens_per_s"] / r["devices"]
+    eff = f"{per / one:.3f}" if one and r["model"] == "llama-3.2-1b" else "-"
+    print(f"{r['label']:>22} {r['devices']:>4} {r['tokens_per_s']:>10,.0f} {per:>10,.0f} {eff:>6} "
+          f"{100 * r['mfu_spec']:>5.1f}% {r['peak_memory_gib_per_device']:>8.1f} {r['step_ms_median']:>8.1f}")
+PY
