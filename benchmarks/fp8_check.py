@@ -1,7 +1,8 @@
 """Check that the compiled train step runs the block linears as fp8 GEMMs (--matmul_dtype=e4m3).
 
     python benchmarks/fp8_check.py --model=llama-3.2-1b --matmul_dtype=e4m3 --batch_size=8 \
-        --seq_len=2048 [--noscan_layers] [--gradient_dtype=e5m2] [--hlo_dir=DIR]
+        --seq_len=2048 [--noscan_layers] [--gradient_dtype=e5m2] [--fp8_scaling=delayed] \
+        [--hlo_dir=DIR]
 
 Takes the trainer's flags and builds the state and step through train.build, as a run and
 jaxllmq.bench do. Then:
@@ -13,6 +14,9 @@ jaxllmq.bench do. Then:
    The fp8 cuBLASLt calls must carry all the block linears' FLOPs (6 x tokens x block-linear
    parameters per layer body). FLOPs, not call counts: XLA may merge dots that share an operand
    (q/k/v, gate/up) into one GEMM. --allow_triton also accepts fp8 GEMMs XLA gave to Triton.
+3. Also on GPU, for information: the fusions that write fp8 tensors (the quantize passes), and
+   how many of them write something else too (the quantize fused with the op producing the
+   tensor, or with its abs-max): what --fp8_scaling=delayed is meant to change.
 
 Prints a summary; exits 1 when the GPU check fails. On CPU there is no cuBLAS (XLA upcasts fp8
 dots there): it runs step 1, says so, and exits 0.
@@ -101,6 +105,27 @@ def hlo_gemms(text: str) -> list[dict]:
     return gemms
 
 
+def quantize_fusions(text: str) -> dict:
+    """Fusions in optimized HLO text that write fp8 arrays: count, elements, multi-output ones."""
+    out = {"fusions": 0, "fp8_elements": 0, "multi_output": 0}
+    for line in text.splitlines():
+        m = _INSTR.match(line)
+        if m is None:
+            continue
+        type_str, rest = _type_and_rest(m.group(2))
+        if not rest.startswith("fusion(") or "f8" not in type_str:
+            continue
+        arrays = _ARRAY.findall(type_str)
+        out["fusions"] += 1
+        out["fp8_elements"] += sum(
+            math.prod(int(d) for d in dims.split(",") if d)
+            for t, dims in arrays
+            if t.startswith("f8")
+        )
+        out["multi_output"] += any(not t.startswith("f8") for t, _ in arrays)
+    return out
+
+
 def block_linear_flops(cfg: ModelConfig, tokens: int, tensor_parallel: int) -> float:
     """Forward + dgrad + wgrad FLOPs of one layer's 7 linears over `tokens` rows, per device."""
     D, F = cfg.hidden_size, cfg.intermediate_size
@@ -145,7 +170,8 @@ def main(argv: list[str]) -> None:
     layout = "scanned" if spec.scan_layers else "unrolled"
     grads = spec.gradient_dtype or spec.linear_dtype
     print(f"{spec.model}: {model_cfg.num_hidden_layers} layers {layout}, {bodies} layer bodies")
-    print(f"  in the program; block linears {spec.linear_dtype}, their gradients {grads}")
+    print(f"  in the program; block linears {spec.linear_dtype}, their gradients {grads},")
+    print(f"  {spec.fp8_scaling} scaling")
     print(f"lowered program: {len(fp8_dots)} fp8 dot_generals of {len(dots)} (expected >=")
     print(f"  {21 * bodies}: 7 linears x fwd/dgrad/wgrad x {bodies} bodies)")
     ok_lowered = len(fp8_dots) >= 21 * bodies
@@ -184,8 +210,12 @@ def main(argv: list[str]) -> None:
     print("largest non-fp8 GEMMs (the LM head belongs here):")
     for g in rest[:8]:
         print(f"  {g['kind']:24s} {g['out']:28s} {g['flops'] / 1e9:10.1f} GFLOP")
+    quant = quantize_fusions(text)
+    print(f"fusions writing fp8 (quantize passes): {quant['fusions']}, {quant['fp8_elements']:,}")
+    print(f"  fp8 elements; {quant['multi_output']} of them also write other outputs")
     ok = ok_lowered and counted >= 0.99 * expected
-    summary = {"ok": ok, "fp8_dot_generals": len(fp8_dots), "expected_tflop": expected / 1e12}
+    summary = {"ok": ok, "fp8_scaling": spec.fp8_scaling, "fp8_dot_generals": len(fp8_dots)}
+    summary |= {"expected_tflop": expected / 1e12, "quantize_fusions": quant}
     summary |= {"cublaslt_fp8_tflop": fp8_cublas / 1e12, "fp8_tflop": fp8_any / 1e12}
     print(json.dumps(summary))
     if not ok:

@@ -155,6 +155,7 @@ def run_bench(
         "model_dtype": spec.model_dtype,
         "matmul_dtype": spec.matmul_dtype,
         "linear_dtype": spec.linear_dtype,  # "e4m3": the block linears run in fp8
+        "fp8_scaling": spec.fp8_scaling if spec.linear_dtype else None,
         "scan_layers": spec.scan_layers,
         "attention": spec.attention,
         "recompute": list(spec.recompute.names()) + (["block"] if spec.recompute.block else []),

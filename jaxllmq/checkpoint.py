@@ -177,8 +177,14 @@ def read_json_items(path: str) -> Saved:
 
 
 def _split(state: Any) -> tuple[Any, dict]:
-    """(params, the other fields) of a TrainState-like dataclass pytree."""
-    rest = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "params"}
+    """(params, the other fields) of a TrainState-like dataclass pytree.
+
+    An empty field (TrainState.fp8 without delayed fp8 scaling) is left out, so such a state
+    saves what checkpoints from before the field did, and restores from them."""
+    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+    rest = {
+        k: v for k, v in fields.items() if k != "params" and not (isinstance(v, dict) and not v)
+    }
     return state.params, rest
 
 
@@ -213,9 +219,13 @@ def _check_fits(path: str, saved: dict, target: dict) -> None:
     ]
     if diffs:
         more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
+        hint = ""
+        if any("train_state/fp8/" in d for d in diffs):
+            hint = " (train_state/fp8: the amax histories of --fp8_scaling=delayed"
+            hint += ", --fp8_amax_history steps long)"
         raise CheckpointError(
             f"--continue: checkpoint {path} does not fit this run's state: "
-            f"{'; '.join(diffs[:3])}{more}; resume with the flags it was saved with"
+            f"{'; '.join(diffs[:3])}{more}; resume with the flags it was saved with{hint}"
         )
 
 
@@ -311,6 +321,7 @@ MEANING = {
     ("model", "model_dtype"): "--model_dtype",
     ("optim", "opt_m_dtype"): "--opt_m_dtype",
     ("optim", "opt_v_dtype"): "--opt_v_dtype",
+    ("model", "fp8_scaling"): "--fp8_scaling",
 }
 # On/off switches that add or remove a part of the optimizer state.
 STRUCTURE = {("optim", "grad_clip"): "--grad_clip", ("optim", "weight_decay"): "--weight_decay"}

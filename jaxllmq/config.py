@@ -20,6 +20,7 @@ DTYPES = ("float32", "bfloat16")
 FP8_MATMUL = ("e4m3",)
 FP8_GRADIENT = ("e4m3", "e5m2")
 SCHEDULES = ("cosine", "linear", "wsd")
+FP8_SCALINGS = ("current", "delayed")
 
 # ---- flag definitions (llmq's names and meanings, absl spelling; the dashed one works too) ----
 
@@ -49,6 +50,17 @@ _gradient_dtype = flags.DEFINE_enum(
     DTYPES + FP8_GRADIENT,
     "dtype of the output gradients in the backward matmuls (default: --matmul_dtype's); with "
     "--matmul_dtype=e4m3, e5m2 trades mantissa for range.",
+)
+_fp8_scaling = flags.DEFINE_enum(
+    "fp8_scaling",
+    "current",
+    FP8_SCALINGS,
+    "With --matmul_dtype=e4m3, where each fp8 operand's per-tensor scale comes from: its own "
+    "abs-max this step (current), or the max over the last --fp8_amax_history steps' abs-maxes, "
+    "kept in the train state and checkpoints (delayed; the quantize can fuse into the producer).",
+)
+_fp8_amax_history = flags.DEFINE_integer(
+    "fp8_amax_history", 16, "--fp8_scaling=delayed: steps of abs-max history per fp8 operand."
 )
 _init_proj_to_zero = flags.DEFINE_bool(
     "init_proj_to_zero",
@@ -279,6 +291,8 @@ class ModelSpec:
     matmul_dtype: str = "bfloat16"  # the compute dtype (activations, LM head, attention)
     linear_dtype: str | None = None  # "e4m3": block linears in fp8 (--matmul_dtype=e4m3)
     gradient_dtype: str | None = None  # their backward GEMMs' gradients; None: linear_dtype
+    fp8_scaling: str = "current"  # the fp8 scales: this step's abs-max, or a history's max
+    fp8_amax_history: int = 16  # delayed scaling's history length (steps)
     init_proj_to_zero: bool = False
     scan_layers: bool = True
     attention: str = "auto"
@@ -294,6 +308,15 @@ class ModelSpec:
             hint = " (a preset needs --from_scratch)" if self.model in PRESETS else ""
             raise ConfigError(f"--model={self.model}: no such Hugging Face model directory{hint}")
         check_dtypes(self.model_dtype, self.matmul_dtype, self.linear_dtype, self.gradient_dtype)
+        if self.fp8_scaling not in FP8_SCALINGS:
+            raise ConfigError(f"--fp8_scaling={self.fp8_scaling}: not one of {FP8_SCALINGS}")
+        if self.fp8_scaling == "delayed" and self.linear_dtype is None:
+            raise ConfigError(
+                "--fp8_scaling=delayed needs --matmul_dtype=e4m3 (it scales the fp8 block linears; "
+                f"--matmul_dtype={self.matmul_dtype} here)"
+            )
+        if self.fp8_amax_history < 1:
+            raise ConfigError(f"--fp8_amax_history={self.fp8_amax_history}: must be >= 1")
 
 
 def check_dtypes(
@@ -453,6 +476,8 @@ def model_spec_from_flags() -> ModelSpec:
         matmul_dtype="bfloat16" if fp8 else _matmul_dtype.value,
         linear_dtype=_matmul_dtype.value if fp8 else None,
         gradient_dtype=_gradient_dtype.value,
+        fp8_scaling=_fp8_scaling.value,
+        fp8_amax_history=_fp8_amax_history.value,
         init_proj_to_zero=_init_proj_to_zero.value,
         scan_layers=_scan_layers.value,
         attention=_attention.value,

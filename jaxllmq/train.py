@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxllmq.config import ModelSpec
 from jaxllmq.kernels import resolve_impl
 from jaxllmq.kernels.cross_entropy import lm_head_loss
-from jaxllmq.model import hf
+from jaxllmq.model import fp8_delayed, hf
 from jaxllmq.model.config import ModelConfig
 from jaxllmq.model.llama import Llama, abstract_model, params_of
 from jaxllmq.offload import Streams, check_supported, place_opt, place_params
@@ -38,17 +38,27 @@ class TrainState:
     step: jax.Array
     params: dict
     opt_state: Any
+    # --fp8_scaling=delayed: the block linears' amax histories (model/fp8_delayed.py), stacked
+    # [L, A] like the params, replicated; empty otherwise.
+    fp8: dict = flax.struct.field(default_factory=dict)
 
 
 Batch = dict[str, jax.Array]  # inputs, targets: int32 [acc, B, T]; loss_mask: bool [acc, B, T]
 
 
 def _micro_loss(
-    params: dict, graphdef: nnx.GraphDef, micro: Batch, *, z_loss: float, impl: str, chunks: int
+    params: dict,
+    graphdef: nnx.GraphDef,
+    micro: Batch,
+    *,
+    z_loss: float,
+    impl: str,
+    chunks: int,
+    fp8_amax: dict | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Summed objective over one micro-batch's trained tokens, and the loss statistics."""
     model = nnx.merge(graphdef, params)
-    h_BxTxD = model(micro["inputs"])
+    h_BxTxD = model(micro["inputs"], fp8_amax=fp8_amax)
     B, T, D = h_BxTxD.shape
     return lm_head_loss(
         h_BxTxD.reshape(B * T, D),
@@ -78,7 +88,13 @@ def make_train_step(
     reduce-scatters them instead of all-reducing, and the fp32 accumulator is sharded too.
     streams (host offload): the weights and the update stream to and from host memory.
     """
-    grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
+    # Gradients for the params and, with delayed fp8 scaling, the reference amaxes: their
+    # "gradient" is this micro-batch's amaxes (model/fp8_delayed.py).
+    grad_fn = jax.value_and_grad(
+        lambda params, amax, *args, **kwargs: _micro_loss(params, *args, **kwargs, fp8_amax=amax),
+        argnums=(0, 1),
+        has_aux=True,
+    )
     if grad_shardings is None:
         shard_grads = lambda g: g
     else:
@@ -86,12 +102,20 @@ def make_train_step(
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         weights = state.params if streams is None else streams.compute_params(state.params)
+        reference = fp8_delayed.reference(state.fp8) if state.fp8 else None
 
         def accumulate(carry, micro):
-            grads, stats = carry
-            (_, aux), g = grad_fn(
-                weights, graphdef, micro, z_loss=z_loss, impl=loss_impl, chunks=lmhead_chunks
+            grads, stats, amax = carry
+            (_, aux), (g, micro_amax) = grad_fn(
+                weights,
+                reference,
+                graphdef,
+                micro,
+                z_loss=z_loss,
+                impl=loss_impl,
+                chunks=lmhead_chunks,
             )
+            amax = jax.tree.map(jnp.maximum, amax, micro_amax)  # the step's: max, not sum
             # Accumulate in fp32: summing bf16 micro-batch grads loses their small components.
             grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, shard_grads(g))
             stats = {
@@ -99,12 +123,13 @@ def make_train_step(
                 "lse_sum": stats["lse_sum"] + aux["lse_sum"],
                 "lse_max": jnp.maximum(stats["lse_max"], aux["lse_max"]),
             }
-            return (grads, stats), None
+            return (grads, stats, amax), None
 
         zeros = shard_grads(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params))
         stats0 = {"ce_sum": 0.0, "lse_sum": 0.0, "lse_max": -jnp.inf}
         stats0 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), stats0)
-        (grads, stats), _ = jax.lax.scan(accumulate, (zeros, stats0), batch)
+        amax0 = jax.tree.map(jnp.zeros_like, reference)
+        (grads, stats, amax), _ = jax.lax.scan(accumulate, (zeros, stats0, amax0), batch)
         # The loss is a mean over every trained token of the whole step, not of micro-batch means,
         # so accumulation and masking do not reweight tokens.
         tokens = jnp.sum(batch["loss_mask"], dtype=jnp.int32)
@@ -126,7 +151,9 @@ def make_train_step(
             "nonfinite": consecutive,
             "nonfinite_total": total,
         }
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        fp8 = fp8_delayed.record(state.fp8, amax) if state.fp8 else state.fp8
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, fp8=fp8)
+        return new_state, metrics
 
     return train_step
 
@@ -272,8 +299,23 @@ def build(
     if spec.offload.any:
         streams = Streams(optimizer, param_shardings, opt_shardings, model_kwargs["dtype"])
     opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
-    state_sharding = TrainState(step=rep, params=param_shardings, opt_state=opt_shardings)
+    fp8 = {}
+    if spec.fp8_scaling == "delayed":
+        # The first step's weight scales come from the weights, unless those are in host memory
+        # (reading them here would move them all to the GPU at once): then they start at 1.
+        fp8 = jax.jit(
+            lambda layers: fp8_delayed.init_history(
+                model_cfg.num_hidden_layers, spec.fp8_amax_history, layers, model_kwargs["dtype"]
+            ),
+            out_shardings=rep,
+        )(None if spec.offload.master else params["layers"])
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, fp8=fp8)
+    state_sharding = TrainState(
+        step=rep,
+        params=param_shardings,
+        opt_state=opt_shardings,
+        fp8=jax.tree.map(lambda _: rep, fp8),
+    )
     data_sharding = batch_sharding(mesh)
     train_step = jax.jit(
         make_train_step(

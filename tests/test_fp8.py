@@ -1,5 +1,6 @@
-"""fp8 block linears (model/fp8.py): scaling and saturation, dense's forward and gradients against
-bf16, the train step's program, a short training run against bf16, a bit-exact resume."""
+"""fp8 block linears (model/fp8.py, fp8_delayed.py): scaling and saturation, dense's forward and
+gradients against bf16 (current and delayed scaling), the amax histories, the train step's
+program, a short training run against bf16, the histories' checkpoint and a bit-exact resume."""
 
 import dataclasses
 import json
@@ -13,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllmq import train
-from jaxllmq.config import ConfigError, ModelSpec
+from jaxllmq import checkpoint, train
+from jaxllmq.config import CheckpointConfig, ConfigError, ModelSpec
 from jaxllmq.data.shards import write_shard
-from jaxllmq.model import fp8
+from jaxllmq.kernels.rms_norm import rms_norm
+from jaxllmq.model import fp8, fp8_delayed
 from jaxllmq.model.config import preset
 from jaxllmq.model.llama import Llama, abstract_model, params_of
 from jaxllmq.optim import OptimConfig, lr_schedule, make_optimizer
@@ -112,8 +114,15 @@ def test_linear_fn_picks_matmul_or_fp8():
         Llama(CFG, rngs=train.nnx.Rngs(0), linear_dtype="bf16")
 
 
-def _step(cfg, linear_dtype: str | None, gradient_dtype: str | None = None, scan: bool = True):
-    """A bf16 model's (state, jitted train step, graphdef), its block linears in linear_dtype."""
+def _step(
+    cfg,
+    linear_dtype: str | None,
+    gradient_dtype: str | None = None,
+    scan: bool = True,
+    delayed: bool = False,
+):
+    """A bf16 model's (state, jitted train step, graphdef), its block linears in linear_dtype
+    (with delayed scaling: amax histories of 4 steps in the state)."""
     optim = OptimConfig(lr=3e-3, warmup=10, weight_decay=0.0)
     graphdef, _, axes = abstract_model(
         cfg,
@@ -125,7 +134,9 @@ def _step(cfg, linear_dtype: str | None, gradient_dtype: str | None = None, scan
     )
     params = params_of(Llama(cfg, rngs=train.nnx.Rngs(0)))
     opt = make_optimizer(optim, 1000, axes)
-    state = train.TrainState(jnp.zeros((), jnp.int32), params, opt.init(params))
+    L = cfg.num_hidden_layers
+    history = fp8_delayed.init_history(L, 4, params["layers"], jnp.bfloat16) if delayed else {}
+    state = train.TrainState(jnp.zeros((), jnp.int32), params, opt.init(params), history)
     step = jax.jit(train.make_train_step(graphdef, opt, lr_schedule(optim, 1000)))
     return state, step, graphdef
 
@@ -145,10 +156,10 @@ def _markov_batch(rng: np.random.Generator, rows: int, t: int, vocab: int) -> di
     }
 
 
-@pytest.mark.parametrize("scan", [True, False])
-def test_train_step_runs_exactly_the_block_linears_in_fp8(scan):
+@pytest.mark.parametrize("scan, delayed", [(True, False), (False, False), (True, True)])
+def test_train_step_runs_exactly_the_block_linears_in_fp8(scan, delayed):
     cfg = CFG
-    state, step, _ = _step(cfg, "e4m3", "e5m2", scan=scan)
+    state, step, _ = _step(cfg, "e4m3", "e5m2", scan=scan, delayed=delayed)
     batch = _markov_batch(np.random.default_rng(0), 2, 16, cfg.vocab_size)
     text = step.lower(state, batch).as_text()
     dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
@@ -162,22 +173,138 @@ def test_train_step_runs_exactly_the_block_linears_in_fp8(scan):
     assert any(re.search(rf"x{cfg.vocab_size}xbf16>", d) for d in dots)
 
 
+def _assert_recorded(before: train.TrainState, after: train.TrainState, batch: dict) -> None:
+    """after's amax histories are before's shifted by one, the newest the step's amaxes."""
+    for kind, histories in before.fp8.items():
+        for name, h_LxA in histories.items():
+            new_LxA = np.asarray(after.fp8[kind][name])
+            np.testing.assert_array_equal(new_LxA[:, 1:], h_LxA[:, :-1], err_msg=f"{kind}/{name}")
+            assert np.all(new_LxA[:, 0] > 0) and np.all(np.isfinite(new_LxA[:, 0])), (kind, name)
+    layers = before.params["layers"]
+    for name in fp8_delayed.INPUTS:  # the bf16 weights the step multiplied by
+        w = jnp.abs(layers[name].astype(jnp.bfloat16)).max(axis=(1, 2)).astype(jnp.float32)
+        np.testing.assert_array_equal(after.fp8["w"][name][:, 0], w)
+    # Layer 0's q/k/v input: the first RMSNorm of the embeddings (bf16, up to one ulp of fusion).
+    x = before.params["embed_tokens"][batch["inputs"][0]].astype(jnp.bfloat16)
+    norm0 = layers["input_layernorm"][0].astype(jnp.bfloat16)
+    h = rms_norm(x, norm0, CFG.rms_norm_eps, impl="xla")
+    got = float(after.fp8["x"]["input_layernorm"][0, 0])
+    np.testing.assert_allclose(got, float(jnp.abs(h).max()), rtol=2**-7)
+
+
 def test_fp8_training_reaches_the_bf16_loss():
     # 100 steps of 1k tokens on the bigram chain (the smallest run that is still honest on CPU):
     # both fall from ln(96) = 4.56 to ~2.4 held-out, 0.25 above the chain's entropy (2.16), and
-    # land ~0.1% apart (300 steps: 2.274 vs 2.276). A wrong scale or gradient would not.
+    # land ~0.1% apart (300 steps: 2.274 vs 2.276). A wrong scale or gradient would not. Delayed
+    # scaling too (its first step scales activations and gradients by 1); its last step's
+    # histories are checked against that step's tensors.
     rng = np.random.default_rng(1)
     data = [_markov_batch(rng, 16, 64, CFG.vocab_size) for _ in range(100)]
     eval_batch = _markov_batch(np.random.default_rng(99), 32, 64, CFG.vocab_size)
     finals = {}
-    for linear in (None, "e4m3"):
-        state, step, graphdef = _step(CFG, linear, "e5m2" if linear else None)
-        for batch in data:
+    for linear, delayed in ((None, False), ("e4m3", False), ("e4m3", True)):
+        state, step, graphdef = _step(CFG, linear, "e5m2" if linear else None, delayed=delayed)
+        for batch in data[:-1]:
             state, _ = step(state, batch)
+        before = state
+        state, _ = step(state, data[-1])
+        if delayed:
+            _assert_recorded(before, state, data[-1])
         ce, tokens = jax.jit(train.make_eval_step(graphdef))(state.params, eval_batch)
-        finals[linear] = float(ce) / int(tokens)
-    assert finals[None] < 2.6, finals  # it learned
-    assert abs(finals["e4m3"] - finals[None]) < 0.02 * finals[None], finals
+        finals[linear, delayed] = float(ce) / int(tokens)
+    bf16 = finals[None, False]
+    assert bf16 < 2.6, finals  # it learned
+    for key in (("e4m3", False), ("e4m3", True)):
+        assert abs(finals[key] - bf16) < 0.02 * bf16, finals
+
+
+def test_delayed_dense_after_a_warmup_call_is_near_bf16_and_reports_amaxes():
+    x, w = _xw(1)
+    t = jax.random.normal(jax.random.key(2), (2, 24, 80), jnp.float32)
+
+    def loss(ref, x, w, report_x=True):
+        y = fp8_delayed.dense(x, w, ref, "e4m3", "e5m2", report_x=report_x)
+        return jnp.sum(y.astype(jnp.float32) * t), y
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
+    # Warm-up: no history (scale 1); the references' gradient is this call's amaxes, exactly:
+    # of x, of w, and of the output gradient (t in y's dtype).
+    zero = (jnp.float32(0.0),) * 3
+    (amax, _, _), _ = grad(zero, x, w)
+    want = [jnp.abs(a).max().astype(jnp.float32) for a in (x, w, t.astype(jnp.bfloat16))]
+    np.testing.assert_array_equal(amax, want)
+    (amax_k, _, _), _ = grad(zero, x, w, False)  # k/v/up: q's (gate's) call reports x
+    np.testing.assert_array_equal(amax_k, [0.0, want[1], want[2]])
+    # Scaled from those, forward and gradients are as near bf16 as current scaling's.
+    (_, gx, gw), y = grad(tuple(amax), x, w)
+    f32 = lambda a, b: a.astype(jnp.float32) @ b.astype(jnp.float32)
+    rx, rw = jax.grad(lambda x, w: jnp.sum(f32(x, w) * t), argnums=(0, 1))(x, w)
+    assert y.dtype == jnp.bfloat16 and gx.dtype == x.dtype and gw.dtype == w.dtype
+    assert _rel(y, f32(x, w)) < TOL["e4m3"]
+    assert _rel(gx, rx) < TOL["e5m2"] and _rel(gw, rw) < TOL["e5m2"]
+    # A tensor past its history saturates at the fp8 max instead of overflowing.
+    (_, gx, gw), y = grad(tuple(a / 1000 for a in amax), x, w)
+    assert bool(jnp.all(jnp.isfinite(y))) and bool(jnp.all(jnp.isfinite(gx)))
+
+
+def test_amax_histories_shift_in_the_newest_and_forget_nonfinite():
+    layers = {n: jnp.full((2, 4, 4), -0.5 * (i + 1)) for i, n in enumerate(fp8_delayed.INPUTS)}
+    assert fp8_delayed.init_history(2, 3)["w"]["k_proj"].tolist() == [[0.0] * 3] * 2
+    h = fp8_delayed.init_history(2, 3, layers, jnp.bfloat16)
+    assert set(h["x"]) == {"input_layernorm", "attention", "post_attention_layernorm", "swiglu"}
+    assert set(h["w"]) == set(h["g"]) == set(fp8_delayed.INPUTS)
+    assert fp8_delayed.REPORTS_X == {"q_proj", "o_proj", "gate_proj", "down_proj"}
+    # Only the weights are known before the first step.
+    np.testing.assert_array_equal(h["w"]["k_proj"], [[1.0, 0, 0], [1.0, 0, 0]])
+    assert all(float(jnp.abs(a).max()) == 0 for a in jax.tree.leaves([h["x"], h["g"]]))
+    steps = [jax.tree.map(lambda r, k=k: r * 0 + k, fp8_delayed.reference(h)) for k in (3, 2)]
+    steps[1]["g"]["q_proj"] = jnp.array([jnp.inf, jnp.nan])
+    for amax in steps:
+        h = fp8_delayed.record(h, amax)
+    np.testing.assert_array_equal(h["w"]["k_proj"], [[2.0, 3, 1], [2.0, 3, 1]])
+    np.testing.assert_array_equal(h["g"]["q_proj"], [[0.0, 3, 0], [0.0, 3, 0]])
+    np.testing.assert_array_equal(fp8_delayed.reference(h)["x"]["swiglu"], [3.0, 3.0])
+
+
+def test_histories_survive_a_checkpoint_and_old_checkpoints_still_restore(tmp_path):
+    keys = jax.random.split(jax.random.key(0), len(fp8_delayed.INPUTS))
+    layers = {
+        n: jax.random.normal(k, (2, 4, 4)) for n, k in zip(fp8_delayed.INPUTS, keys, strict=True)
+    }
+    empty = fp8_delayed.init_history(2, 3, layers, jnp.bfloat16)
+    amax = jax.tree.map(lambda r: r + 0.37, fp8_delayed.reference(empty))
+    history = fp8_delayed.record(empty, amax)
+
+    def state(fp8_state, k=1.0):
+        return train.TrainState(
+            jnp.asarray(int(k), jnp.int32), {"w": jnp.full((3,), k)}, {"m": jnp.zeros(3)}, fp8_state
+        )
+
+    def save(directory, s):
+        ck = checkpoint.Checkpointing(
+            CheckpointConfig(checkpoint_dir=str(directory)),
+            run={"argv": [], "config": {}},
+            model={},
+            info=print,
+        )
+        ck.save(5, s, data={}, log={})
+        ck.close()
+        return str(directory / "5")
+
+    delayed = save(tmp_path / "delayed", state(history, 5.0))
+    zeros = jax.tree.map(jnp.zeros_like, history)
+    restored = checkpoint.restore_arrays(delayed, checkpoint.abstract_like(state(zeros, 0.0)))
+    jax.tree.map(np.testing.assert_array_equal, restored.fp8, history)
+    assert int(restored.step) == 5
+    # Without delayed scaling the state saves what checkpoints from before the field did:
+    # they restore, and a delayed run refuses them naming the flag.
+    old = save(tmp_path / "old", state({}, 5.0))
+    assert checkpoint.restore_arrays(old, checkpoint.abstract_like(state({}))).fp8 == {}
+    with pytest.raises(checkpoint.CheckpointError, match="amax histories of --fp8_scaling=delayed"):
+        checkpoint.restore_arrays(old, checkpoint.abstract_like(state(zeros)))
+    saved = checkpoint.Saved(delayed, {}, {}, {"config": {"model": {"fp8_scaling": "delayed"}}}, {})
+    with pytest.raises(checkpoint.CheckpointError, match="--fp8_scaling=delayed"):
+        checkpoint.check_resume(saved, {"model": {"fp8_scaling": "current"}}, {})
 
 
 def test_model_spec_refuses_dtype_combinations_naming_the_flag():
@@ -207,8 +334,9 @@ def _main(args: list[str], cache: str) -> subprocess.CompletedProcess:
 
 
 def test_fp8_run_resumes_bit_exactly(tmp_path):
-    # Current scaling keeps no state: a checkpoint holds what a bf16 run's does, and the run
-    # continues as if never stopped.
+    # Delayed scaling's amax histories are train state: the checkpoint holds them and the run
+    # continues as if never stopped (resumed with fresh histories, steps 3-4 would scale by 1
+    # and differ). Current scaling keeps no state, so its checkpoints are a bf16 run's.
     rng = np.random.default_rng(0)
     write_shard(
         tmp_path / "train.bin", rng.integers(0, 256, 20 * 17, dtype=np.int32), vocab_size=256
@@ -225,6 +353,8 @@ def test_fp8_run_resumes_bit_exactly(tmp_path):
             "--batch_size=4",
             "--matmul_dtype=e4m3",
             "--gradient_dtype=e5m2",
+            "--fp8_scaling=delayed",
+            "--fp8_amax_history=3",
             "--lr_schedule=wsd",
             "--final_lr_fraction=1",
             "--eval_every_n_steps=0",
@@ -250,10 +380,7 @@ def test_fp8_run_resumes_bit_exactly(tmp_path):
     assert steps["b"] == {s: steps["a"][s] for s in (3, 4)}
     options = [json.loads(line) for line in open(os.path.join(out, "a.jsonl"))]
     model = next(r for r in options if r["log"] == "options")["model"]
-    assert (model["matmul_dtype"], model["linear_dtype"], model["gradient_dtype"]) == (
-        "bfloat16",
-        "e4m3",
-        "e5m2",
-    )
+    dtypes = ("matmul_dtype", "linear_dtype", "gradient_dtype", "fp8_scaling")
+    assert tuple(model[k] for k in dtypes) == ("bfloat16", "e4m3", "e5m2", "delayed")
     bad = _main(flags("--steps=1", "--matmul_dtype=float32", "--gradient_dtype=e5m2"), out)
     assert bad.returncode == 1 and "--gradient_dtype=e5m2 needs --matmul_dtype=e4m3" in bad.stderr

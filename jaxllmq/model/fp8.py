@@ -9,9 +9,10 @@ the thousandth. The alternative, *delayed* scaling (Transformer Engine's default
 fp8_ops), scales with the max of an amax history from earlier steps: it skips one reduction per
 tensor but makes the history part of the train state and lets a sudden outlier saturate until
 the history catches up. One abs-max is a read of a tensor the quantize pass reads anyway (XLA
-fuses the two when it can), so current scaling is the simpler choice here; measure before
-switching. Under data or tensor parallelism the abs-max of a sharded tensor is a scalar
-all-reduce, which keeps the scale, and so the numbers, independent of the device count.
+fuses the two when it can), so current scaling is the default; delayed scaling is
+model/fp8_delayed.py (--fp8_scaling=delayed), there to be measured against it. Under data or
+tensor parallelism the abs-max of a sharded tensor is a scalar all-reduce, which keeps the
+scale, and so the numbers, independent of the device count.
 
 Scales are powers of two (as in the MX formats' E8M0 scales): dividing by one and multiplying
 back are exact in any float dtype, so quantization's only rounding is the cast to fp8 itself,
@@ -35,7 +36,6 @@ Engine does too). benchmarks/fp8_check.py counts the custom calls in the compile
 """
 
 import functools
-import operator
 from collections.abc import Callable
 
 import jax
@@ -52,9 +52,19 @@ def fp8_dtype(name: str):
     return FP8_DTYPES[name]
 
 
+def abs_max(x: jax.Array) -> jax.Array:
+    """max |x| as an fp32 scalar."""
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
 def scale_of(x: jax.Array, dtype) -> jax.Array:
     """Per-tensor power-of-two scale s (fp32 scalar) with abs-max(x) / s in (max/2, max] of dtype."""
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    return scale_for(abs_max(x), dtype)
+
+
+def scale_for(amax: jax.Array, dtype) -> jax.Array:
+    """The power-of-two scale s with amax / s in (max/2, max] of dtype (1 for 0 or non-finite)."""
+    amax = jnp.asarray(amax, jnp.float32)
     # frexp: amax / max = m * 2^e with m in [0.5, 1); the smallest 2^k >= amax / max is 2^e, or
     # 2^(e-1) when m is exactly 0.5. Exact, unlike ceil(log2(.)) near powers of two.
     m, e = jnp.frexp(amax / float(jnp.finfo(dtype).max))
@@ -70,7 +80,7 @@ def quantize(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
     return jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(dtype)
 
 
-def _gemm(a, b, contract, scale, out_dtype, precision) -> jax.Array:
+def gemm(a, b, contract, scale, out_dtype, precision) -> jax.Array:
     """fp8 a x b contracted over `contract`, fp32 accumulation, times scale, in out_dtype."""
     out = lax.dot_general(
         a, b, (contract, ((), ())), precision=precision, preferred_element_type=out_dtype
@@ -87,7 +97,7 @@ def _dense_fwd(x_MxK, w_KxN, dtype_name, grad_name):
     dtype = fp8_dtype(dtype_name)
     sx, sw = scale_of(x_MxK, dtype), scale_of(w_KxN, dtype)
     qx_MxK, qw_KxN = quantize(x_MxK, dtype, sx), quantize(w_KxN, dtype, sw)
-    y_MxN = _gemm(qx_MxK, qw_KxN, ((1,), (0,)), sx * sw, x_MxK.dtype, lax.Precision.DEFAULT)
+    y_MxN = gemm(qx_MxK, qw_KxN, ((1,), (0,)), sx * sw, x_MxK.dtype, lax.Precision.DEFAULT)
     # Keep the fp8 copies for backward (half the bytes of bf16); w's dtype rides along as an
     # empty array so its gradient can be returned in it.
     return y_MxN, (qx_MxK, sx, qw_KxN, sw, jnp.zeros((0,), w_KxN.dtype))
@@ -99,8 +109,8 @@ def _dense_bwd(dtype_name, grad_name, res, g_MxN):
     sg = scale_of(g_MxN, gdtype)
     qg_MxN = quantize(g_MxN, gdtype, sg)
     high = lax.Precision.HIGHEST  # no fast accumulation for gradients
-    dx_MxK = _gemm(qg_MxN, qw_KxN, ((1,), (1,)), sg * sw, g_MxN.dtype, high)
-    dw_KxN = _gemm(qx_MxK, qg_MxN, ((0,), (0,)), sx * sg, w_dtype.dtype, high)
+    dx_MxK = gemm(qg_MxN, qw_KxN, ((1,), (1,)), sg * sw, g_MxN.dtype, high)
+    dw_KxN = gemm(qx_MxK, qg_MxN, ((0,), (0,)), sx * sg, w_dtype.dtype, high)
     return dx_MxK, dw_KxN
 
 
@@ -114,12 +124,19 @@ def dense(x: jax.Array, w_KxN: jax.Array, dtype: str = "e4m3", grad_dtype: str =
     return y_MxN.reshape(*lead, w_KxN.shape[1])
 
 
+def matmul(x: jax.Array, w: jax.Array, name: str = "") -> jax.Array:
+    """x @ w in their dtype: a block linear without fp8 (`name`, the weight's, is not needed)."""
+    return x @ w
+
+
 def linear_fn(
     linear_dtype: str | None, gradient_dtype: str | None = None
-) -> Callable[[jax.Array, jax.Array], jax.Array]:
-    """The block linears' matmul: `x @ w` in the compute dtype (None), or fp8 `dense`."""
+) -> Callable[..., jax.Array]:
+    """The block linears' `linear(x, w, name)`: `x @ w` in the compute dtype (None), or fp8
+    `dense` with current scaling."""
     if linear_dtype is None:
-        return operator.matmul
+        return matmul
     fp8_dtype(linear_dtype)
-    fp8_dtype(gradient_dtype or linear_dtype)
-    return functools.partial(dense, dtype=linear_dtype, grad_dtype=gradient_dtype or linear_dtype)
+    grad = gradient_dtype or linear_dtype
+    fp8_dtype(grad)
+    return lambda x, w, name="": dense(x, w, linear_dtype, grad)

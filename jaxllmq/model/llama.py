@@ -19,7 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxllmq.kernels.rms_norm import rms_norm
-from jaxllmq.model import fp8
+from jaxllmq.model import fp8, fp8_delayed
 from jaxllmq.model.config import ModelConfig, rope_inv_freq
 from jaxllmq.model.recompute import ATT, FFN, NORM, QKV, RESID, SWIGLU, Recompute
 
@@ -106,20 +106,21 @@ def decoder_layer(
     dtype,
     attention: str,
     norm_impl: str,
-    linear: Callable[[jax.Array, jax.Array], jax.Array] = operator.matmul,
+    linear: Callable[[jax.Array, jax.Array, str], jax.Array] = fp8.matmul,
 ) -> jax.Array:
     """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). Params cast to `dtype` here.
 
-    `linear` is the q/k/v/o/gate/up/down matmul: `@` in `dtype`, or fp8 (model/fp8.py)."""
+    `linear(x, w, name)` is the q/k/v/o/gate/up/down matmul: `@` in `dtype`, or fp8
+    (model/fp8.py, model/fp8_delayed.py, which needs the weight's name for its scales)."""
     B, T, _ = x_BxTxD.shape
     N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_per_head
     w = {k: v.astype(dtype) for k, v in p.items()}
     eps = cfg.rms_norm_eps
 
     h_BxTxD = checkpoint_name(rms_norm(x_BxTxD, w["input_layernorm"], eps, impl=norm_impl), NORM)
-    q = linear(h_BxTxD, w["q_proj"])
-    k = linear(h_BxTxD, w["k_proj"])
-    v = linear(h_BxTxD, w["v_proj"])
+    q = linear(h_BxTxD, w["q_proj"], "q_proj")
+    k = linear(h_BxTxD, w["k_proj"], "k_proj")
+    v = linear(h_BxTxD, w["v_proj"], "v_proj")
     if cfg.attention_bias:
         q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
     q_BxTxNxH = checkpoint_name(apply_rope(q.reshape(B, T, N, H), cos_BxTxH, sin_BxTxH), QKV)
@@ -130,14 +131,15 @@ def decoder_layer(
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True, implementation=attention
     )
     o_BxTxNxH = checkpoint_name(o_BxTxNxH, ATT)
-    x_BxTxD = checkpoint_name(x_BxTxD + linear(o_BxTxNxH.reshape(B, T, N * H), w["o_proj"]), RESID)
+    o_BxTxD = linear(o_BxTxNxH.reshape(B, T, N * H), w["o_proj"], "o_proj")
+    x_BxTxD = checkpoint_name(x_BxTxD + o_BxTxD, RESID)
 
     h_BxTxD = rms_norm(x_BxTxD, w["post_attention_layernorm"], eps, impl=norm_impl)
     h_BxTxD = checkpoint_name(h_BxTxD, NORM)
-    gate_BxTxF = checkpoint_name(linear(h_BxTxD, w["gate_proj"]), FFN)
-    up_BxTxF = checkpoint_name(linear(h_BxTxD, w["up_proj"]), FFN)
+    gate_BxTxF = checkpoint_name(linear(h_BxTxD, w["gate_proj"], "gate_proj"), FFN)
+    up_BxTxF = checkpoint_name(linear(h_BxTxD, w["up_proj"], "up_proj"), FFN)
     swiglu_BxTxF = checkpoint_name(jax.nn.silu(gate_BxTxF) * up_BxTxF, SWIGLU)
-    return x_BxTxD + linear(swiglu_BxTxF, w["down_proj"])
+    return x_BxTxD + linear(swiglu_BxTxF, w["down_proj"], "down_proj")
 
 
 class Llama(nnx.Module):
@@ -195,8 +197,16 @@ class Llama(nnx.Module):
             return self.embed_tokens[...].T.astype(self.dtype)
         return self.lm_head[...].astype(self.dtype)
 
-    def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None) -> jax.Array:
-        """Final-normed hidden states [B, T, D] in the compute dtype."""
+    def __call__(
+        self,
+        tokens_BxT: jax.Array,
+        positions_BxT: jax.Array | None = None,
+        fp8_amax: dict | None = None,
+    ) -> jax.Array:
+        """Final-normed hidden states [B, T, D] in the compute dtype.
+
+        fp8_amax: with fp8 block linears, delayed scaling's reference amaxes (fp8_delayed's
+        [L] tree; their gradient is this step's amaxes); None: current scaling."""
         cfg = self.cfg
         B, T = tokens_BxT.shape
         if cfg.sliding_window is not None and T > cfg.sliding_window:
@@ -210,7 +220,11 @@ class Llama(nnx.Module):
         x_BxTxD = jnp.take(self.embed_tokens[...], tokens_BxT, axis=0).astype(self.dtype)
         x_BxTxD = self.constrain(x_BxTxD)
 
-        def layer(x, p):
+        def layer(x, p, amax):
+            if amax is None:
+                linear = fp8.linear_fn(self.linear_dtype, self.gradient_dtype)
+            else:
+                linear = fp8_delayed.linear_fn(self.linear_dtype, self.gradient_dtype, amax)
             x = decoder_layer(
                 self.gather_layer(p),
                 x,
@@ -220,7 +234,7 @@ class Llama(nnx.Module):
                 dtype=self.dtype,
                 attention=self.attention,
                 norm_impl=self.norm_impl,
-                linear=fp8.linear_fn(self.linear_dtype, self.gradient_dtype),
+                linear=linear,
             )
             return self.constrain(x)
 
@@ -228,10 +242,13 @@ class Llama(nnx.Module):
         layer = self.recompute.wrap(layer, prevent_cse=not self.scan_layers)
         stacked = self.layers.arrays()
         if self.scan_layers:
-            x_BxTxD, _ = jax.lax.scan(lambda x, p: (layer(x, p), None), x_BxTxD, stacked)
+            x_BxTxD, _ = jax.lax.scan(
+                lambda x, pa: (layer(x, *pa), None), x_BxTxD, (stacked, fp8_amax)
+            )
         else:
             for i in range(cfg.num_hidden_layers):
-                x_BxTxD = layer(x_BxTxD, {k: v[i] for k, v in stacked.items()})
+                amax = jax.tree.map(operator.itemgetter(i), fp8_amax)  # None stays None
+                x_BxTxD = layer(x_BxTxD, {k: v[i] for k, v in stacked.items()}, amax)
         return rms_norm(
             x_BxTxD, self.norm[...].astype(self.dtype), cfg.rms_norm_eps, impl=self.norm_impl
         )
