@@ -3,6 +3,7 @@
 The host loop that drives them is trainer.py."""
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllmq.config import ModelSpec
 from jaxllmq.kernels import resolve_impl
-from jaxllmq.kernels.cross_entropy import lm_head_loss
+from jaxllmq.kernels.cross_entropy import lm_head_loss, lm_head_loss_sharded
 from jaxllmq.model import fp8_delayed, hf
 from jaxllmq.model.config import ModelConfig
 from jaxllmq.model.llama import Llama, abstract_model, params_of
@@ -55,12 +56,18 @@ def _micro_loss(
     impl: str,
     chunks: int,
     fp8_amax: dict | None = None,
+    loss_mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Summed objective over one micro-batch's trained tokens, and the loss statistics."""
+    """Summed objective over one micro-batch's trained tokens, and the loss statistics.
+
+    loss_mesh: run the loss per device under shard_map (the Pallas loss on several devices)."""
     model = nnx.merge(graphdef, params)
     h_BxTxD = model(micro["inputs"], fp8_amax=fp8_amax)
     B, T, D = h_BxTxD.shape
-    return lm_head_loss(
+    loss = lm_head_loss
+    if loss_mesh is not None:
+        loss = functools.partial(lm_head_loss_sharded, mesh=loss_mesh, token_axes=BATCH_AXES)
+    return loss(
         h_BxTxD.reshape(B * T, D),
         model.head_weight(),
         micro["targets"].reshape(B * T),
@@ -79,6 +86,7 @@ def make_train_step(
     z_loss: float = 0.0,
     loss_impl: str = "xla",
     lmhead_chunks: int = 1,
+    loss_mesh: jax.sharding.Mesh | None = None,
     grad_shardings: dict | None = None,
     streams: Streams | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
@@ -114,6 +122,7 @@ def make_train_step(
                 z_loss=z_loss,
                 impl=loss_impl,
                 chunks=lmhead_chunks,
+                loss_mesh=loss_mesh,
             )
             amax = jax.tree.map(jnp.maximum, amax, micro_amax)  # the step's: max, not sum
             # Accumulate in fp32: summing bf16 micro-batch grads loses their small components.
@@ -163,6 +172,7 @@ def make_eval_step(
     *,
     loss_impl: str = "xla",
     lmhead_chunks: int = 1,
+    loss_mesh: jax.sharding.Mesh | None = None,
     streams: Streams | None = None,
 ) -> Callable[[dict, Batch], tuple[jax.Array, jax.Array]]:
     """(ce_sum, tokens) over one [1, B, T] batch."""
@@ -171,7 +181,13 @@ def make_eval_step(
         micro = jax.tree.map(lambda x: x[0], batch)
         weights = params if streams is None else streams.compute_params(params)
         _, aux = _micro_loss(
-            weights, graphdef, micro, z_loss=0.0, impl=loss_impl, chunks=lmhead_chunks
+            weights,
+            graphdef,
+            micro,
+            z_loss=0.0,
+            impl=loss_impl,
+            chunks=lmhead_chunks,
+            loss_mesh=loss_mesh,
         )
         return aux["ce_sum"], jnp.sum(micro["loss_mask"], dtype=jnp.int32)
 
@@ -245,6 +261,8 @@ def build(
     tables = rules.plan(zero_level)
     norm_impl = resolve_impl(kernels, "rms_norm", num_devices=mesh.size)
     loss_impl = resolve_impl(kernels, "lm_head_loss", num_devices=mesh.size)
+    # A Pallas call has no partitioning rule: on several devices it runs per device's tokens.
+    loss_mesh = mesh if loss_impl == "pallas" and mesh.size > 1 else None
     model_kwargs = dict(
         param_dtype=jnp.dtype(spec.model_dtype),
         dtype=jnp.dtype(spec.matmul_dtype),
@@ -325,6 +343,7 @@ def build(
             z_loss=z_loss,
             loss_impl=loss_impl,
             lmhead_chunks=lmhead_chunks,
+            loss_mesh=loss_mesh,
             grad_shardings=rules.shardings(axes, abstract, tables.grads, mesh),
             streams=streams,
         ),
@@ -333,7 +352,13 @@ def build(
         donate_argnums=0,
     )
     eval_step = jax.jit(
-        make_eval_step(graphdef, loss_impl=loss_impl, lmhead_chunks=lmhead_chunks, streams=streams),
+        make_eval_step(
+            graphdef,
+            loss_impl=loss_impl,
+            lmhead_chunks=lmhead_chunks,
+            loss_mesh=loss_mesh,
+            streams=streams,
+        ),
         in_shardings=(param_shardings, data_sharding),
         out_shardings=rep,
     )

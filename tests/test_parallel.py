@@ -19,10 +19,10 @@ SPEC = ModelSpec(model="tiny", from_scratch=True, matmul_dtype="float32")
 OPTIM = OptimConfig(lr=3e-3, weight_decay=0.1, adam_epsilon=1e-6)
 
 
-def _build(gpus: int, zero_level: int = 1, tp: int = 1) -> train.Compiled:
+def _build(gpus: int, zero_level: int = 1, tp: int = 1, kernels: str = "xla") -> train.Compiled:
     mesh = make_mesh(gpus, tensor_parallel=tp)
     return train.build(
-        CFG, SPEC, OPTIM, mesh=mesh, total_steps=10, seed=0, kernels="xla", zero_level=zero_level
+        CFG, SPEC, OPTIM, mesh=mesh, total_steps=10, seed=0, kernels=kernels, zero_level=zero_level
     )
 
 
@@ -92,6 +92,15 @@ def test_losses_match_one_device(one_device_losses, zero_level, tp):
     sharded = _losses(_build(8, zero_level, tp))
     np.testing.assert_allclose(sharded, one_device_losses, rtol=2e-5)
     assert sharded[-1] < sharded[0]
+
+
+def test_pallas_loss_runs_per_device_and_trains_the_same(one_device_losses):
+    """The fused Pallas loss on 8 devices (ZeRO-3): inside shard_map, on each device's tokens."""
+    built = _build(8, 3, kernels="lm_head_loss=pallas")
+    batch = jax.device_put(BATCHES[0], built.batch_sharding)
+    assert "manual_computation" in built.train_step.lower(built.state, batch).as_text()
+    sharded = _losses(built)
+    np.testing.assert_allclose(sharded, one_device_losses, rtol=2e-5)
 
 
 def test_tensor_parallel_that_does_not_divide_is_refused():

@@ -42,9 +42,10 @@ def resolve_impl(
     """Implementation ("pallas" or "xla") of `kernel` for the `--kernels` setting.
 
     auto: XLA on CPU (Pallas there only interprets); on one GPU whichever measured faster
-    (AUTO_GPU); XLA under a multi-device mesh, because a Pallas call has no SPMD partitioning
-    rule (XLA would gather its operands onto every device) unless the caller wraps it in
-    shard_map. "pallas" is honoured as asked.
+    (AUTO_GPU); XLA under a multi-device mesh (not yet measured there). A Pallas call has no SPMD
+    partitioning rule: asked for on several devices, the LM-head loss runs per device inside
+    shard_map (train.build -> cross_entropy.lm_head_loss_sharded); the RMSNorm call is not
+    wrapped, so XLA gathers its operands.
     """
     if kernel not in KERNELS:
         raise ValueError(f"resolve_impl: unknown kernel {kernel!r} (expected one of {KERNELS})")

@@ -224,3 +224,45 @@ def lm_head_loss(
     t, valid = _sanitize_targets(targets_N, mask_N, w_DxV.shape[1])
     t = jnp.where(valid, t, 0)  # the kernels need in-range indices; `valid` restores the NaN
     return _chunked_loss(h_NxD.astype(dtype), w_DxV.astype(dtype), t, valid, mask_N, plan)
+
+
+def lm_head_loss_sharded(
+    h_NxD: jax.Array,
+    w_DxV: jax.Array,
+    targets_N: jax.Array,
+    mask_N: jax.Array,
+    *,
+    mesh: jax.sharding.Mesh,
+    token_axes: tuple[str, ...],
+    **kwargs,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """lm_head_loss on each device's tokens under shard_map, the sums and max combined after.
+
+    A Pallas call has no SPMD partitioning rule; inside shard_map each device runs the kernel on
+    its own tokens (N sharded over `token_axes`) against the whole head weight (gathered where it
+    is sharded), so the fused loss keeps its memory saving on a multi-device mesh. The gradient
+    of the replicated weight is summed over the token axes by shard_map's transpose.
+    """
+    tokens = jax.sharding.PartitionSpec(token_axes)
+    replicated = jax.sharding.PartitionSpec()
+
+    def body(h, w, t, m):
+        obj, aux = lm_head_loss(h, w, t, m, **kwargs)
+        psum = lambda x: jax.lax.psum(x, token_axes)
+        aux = {
+            "ce_sum": psum(aux["ce_sum"]),
+            "lse_sum": psum(aux["lse_sum"]),
+            "lse_max": jax.lax.pmax(jax.lax.stop_gradient(aux["lse_max"]), token_axes),
+        }
+        return psum(obj), aux
+
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(tokens, replicated, tokens, tokens),
+        out_specs=(
+            replicated,
+            {"ce_sum": replicated, "lse_sum": replicated, "lse_max": replicated},
+        ),
+        check_vma=False,
+    )(h_NxD, w_DxV, targets_N, mask_N)
