@@ -30,6 +30,7 @@ bench --gpus=1 --kernels=xla
 bench --gpus=2 --zero_level=1 --profile_steps=2
 grep -A14 "device kernel time" "$OUT/err.txt"
 for z in 2 3; do bench --gpus=2 --zero_level=$z; done
+bench --gpus=2 --zero_level=3 --kernels=lm_head_loss=pallas  # the fused loss per device (shard_map)
 for z in 1 3; do two_procs $z; done
 BF16=(--model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16)
 bench --gpus=1 --kernels=xla "${BF16[@]}"
@@ -38,9 +39,9 @@ python3 - "$OUT/scaling.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 base = {r["model_dtype"]: r["tokens_per_s"] for r in rows if r["devices"] == 1}
-print(f"{'weights':>8} {'gpus':>4} {'procs':>5} {'zero':>4} {'tok/s':>9} {'per-GPU eff':>11} {'MFU':>6} {'GiB/GPU':>8} {'step ms':>8}")
+print(f"{'weights':>8} {'kernels':>20} {'gpus':>4} {'procs':>5} {'zero':>4} {'tok/s':>9} {'per-GPU eff':>11} {'MFU':>6} {'GiB/GPU':>8} {'step ms':>8}")
 for r in rows:
     eff = r["tokens_per_s"] / (r["devices"] * base[r["model_dtype"]]) if r["model_dtype"] in base else float("nan")
-    print(f"{r['model_dtype']:>8} {r['devices']:>4} {r['processes']:>5} {r['zero_level']:>4} {r['tokens_per_s']:>9,.0f} "
+    print(f"{r['model_dtype']:>8} {r['kernels']:>20} {r['devices']:>4} {r['processes']:>5} {r['zero_level']:>4} {r['tokens_per_s']:>9,.0f} "
           f"{eff:>11.3f} {100 * r['mfu_spec']:>5.1f}% {r['peak_memory_gib_per_device'] or 0:>8.1f} {r['step_ms_median']:>8.1f}")
 PY
