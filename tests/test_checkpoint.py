@@ -80,7 +80,8 @@ def _cmd(module: str = "jaxllmq.main") -> list[str]:
     return [sys.executable, "-m", module]
 
 
-def _run(args: list[str], cache: str | None, module: str = "jaxllmq.main"):
+def run_module(args: list[str], cache: str | None, module: str = "jaxllmq.main"):
+    """`python -m module args` in a subprocess, sharing the compilation cache `cache`."""
     return subprocess.run(
         _cmd(module) + args, capture_output=True, text=True, timeout=300, env=_env(cache)
     )
@@ -107,7 +108,7 @@ def reference(shards, cache, tmp_path_factory) -> dict:
         f"--out_dir={out}/model",
         "--steps=8",
     ]
-    proc = _run(_flags(shards, out, *extra), cache)
+    proc = run_module(_flags(shards, out, *extra), cache)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = _steps(out)
     assert sorted(steps) == list(range(1, 9))
@@ -118,9 +119,9 @@ def reference(shards, cache, tmp_path_factory) -> dict:
 def test_resume_is_bit_exact(shards, cache, reference, tmp_path):
     out = str(tmp_path)
     ck = f"--checkpoint_dir={out}/ckpt"
-    first = _run(_flags(shards, out, ck, "--steps=4", "--save_training_state"), cache)
+    first = run_module(_flags(shards, out, ck, "--steps=4", "--save_training_state"), cache)
     assert first.returncode == 0, first.stderr[-3000:]
-    second = _run(_flags(shards, out, ck, "--steps=8", "--continue=latest"), cache)
+    second = run_module(_flags(shards, out, ck, "--steps=8", "--continue=latest"), cache)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "--steps: 4 -> 8" in second.stdout
     # Exact float equality of every step's loss and grad norm, across a mid-epoch resume with
@@ -132,11 +133,11 @@ def test_resume_is_bit_exact(shards, cache, reference, tmp_path):
 
 def test_new_data_is_needed_to_resume_onto_other_data(shards, cache, reference, tmp_path):
     args = _flags(shards, str(tmp_path), "--steps=9", f"--continue={reference['ckpt']}/8")
-    refused = _run(args + ["--train_seed=7"], cache)
+    refused = run_module(args + ["--train_seed=7"], cache)
     assert refused.returncode == 1
     assert "error: --continue: the saved data position does not fit" in refused.stderr
     assert "seed: saved 42, now 7" in refused.stderr and "Traceback" not in refused.stderr
-    resumed = _run(args + ["--train_seed=7", "--new_data"], cache)
+    resumed = run_module(args + ["--train_seed=7", "--new_data"], cache)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "--new_data: the data pipeline starts from its beginning" in resumed.stdout
     assert "--train_seed: 42 -> 7" in resumed.stdout
@@ -163,7 +164,7 @@ def test_sigterm_leaves_a_checkpoint_and_resuming_matches(shards, cache, referen
     assert f"{out}/ckpt/{stopped}" in line
     assert checkpoint.checkpoint_steps(f"{out}/ckpt") == [stopped]
 
-    resumed = _run(args + ["--continue=latest"], cache)
+    resumed = run_module(args + ["--continue=latest"], cache)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _steps(out) == reference["steps"]
 
@@ -212,7 +213,7 @@ def test_kill_9_during_an_async_save_resumes_from_the_last_complete(
     assert any(n.startswith("4.") for n in names)  # the save in flight: never renamed
     assert checkpoint.checkpoint_steps(f"{out}/ckpt") == [2]
 
-    resumed = _run(args + ["--continue=latest"], cache)
+    resumed = run_module(args + ["--continue=latest"], cache)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {out}/ckpt/2 (step 2)" in resumed.stdout
     steps = _steps(out)
@@ -236,12 +237,12 @@ def test_damaged_checkpoint_is_named_and_latest_falls_back(shards, cache, refere
         f.truncate(10)
     args = _flags(shards, out, f"--checkpoint_dir={ckpt}")
 
-    explicit = _run(args + ["--steps=9", "--continue=8"], cache)
+    explicit = run_module(args + ["--steps=9", "--continue=8"], cache)
     assert explicit.returncode == 1
     assert f"checkpoint {ckpt}/8 is damaged: {missing} is missing" in explicit.stderr
     assert "Traceback" not in explicit.stderr
 
-    latest = _run(args + ["--steps=5", "--continue=latest"], cache)
+    latest = run_module(args + ["--steps=5", "--continue=latest"], cache)
     assert latest.returncode == 0, latest.stderr[-3000:]
     assert f"{ckpt}/8 is damaged: {missing} is missing" in latest.stdout
     assert f"{ckpt}/6 is damaged: train_state/{big} is 10 bytes" in latest.stdout
@@ -272,7 +273,7 @@ def test_resume_refuses_a_change_of_meaning(shards, cache, reference, tmp_path, 
     if change == "OTHER_MODEL":
         change = f"--model={_other_model(tmp_path)}"
     args = _flags(shards, str(tmp_path), "--steps=9", f"--continue={reference['ckpt']}/8", change)
-    proc = _run(args, cache)
+    proc = run_module(args, cache)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("error: --continue: checkpoint") and message in lines[-1]
@@ -281,7 +282,7 @@ def test_resume_refuses_a_change_of_meaning(shards, cache, reference, tmp_path, 
 
 def test_a_directory_of_another_runs_checkpoints_is_refused(shards, cache, reference, tmp_path):
     args = _flags(shards, str(tmp_path), "--steps=9", f"--checkpoint_dir={reference['ckpt']}")
-    proc = _run(args, cache)
+    proc = run_module(args, cache)
     assert proc.returncode == 1
     assert "already holds checkpoints (steps 2, 4, 6, 8)" in proc.stderr
     assert "--continue=latest" in proc.stderr
@@ -291,13 +292,13 @@ def test_restore_onto_fewer_devices(shards, cache, reference, tmp_path):
     # Saved on 8 devices under ZeRO-1, restored on 4 under ZeRO-3 and on 1.
     src = str(tmp_path / "on8")
     args8 = _flags(shards, src, f"--checkpoint_dir={src}/ckpt", "--steps=3", gpus=8)
-    proc = _run(args8 + ["--save_training_state", "--ckpt_interval=2"], None)
+    proc = run_module(args8 + ["--save_training_state", "--ckpt_interval=2"], None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     on8 = _steps(src)
     for gpus, extra, use_cache in [(4, ["--zero_level=3"], None), (1, [], cache)]:
         out = str(tmp_path / f"on{gpus}")
         args = _flags(shards, out, f"--continue={src}/ckpt/2", "--steps=3", *extra, gpus=gpus)
-        proc = _run(args, use_cache)
+        proc = run_module(args, use_cache)
         assert proc.returncode == 0, proc.stderr[-3000:]
         (loss, norm), (loss8, norm8) = _steps(out)[3], on8[3]
         assert loss == pytest.approx(loss8, rel=1e-5) and norm == pytest.approx(norm8, rel=1e-4)
@@ -308,7 +309,9 @@ def test_restore_onto_fewer_devices(shards, cache, reference, tmp_path):
 
 def test_export_cli_matches_the_trainers_export(reference, tmp_path):
     out = str(tmp_path / "exported")
-    proc = _run([f"--checkpoint={reference['ckpt']}", f"--out_dir={out}"], None, "jaxllmq.export")
+    proc = run_module(
+        [f"--checkpoint={reference['ckpt']}", f"--out_dir={out}"], None, "jaxllmq.export"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"exported {reference['ckpt']}/8 to {out}" in proc.stdout
     theirs = f"{reference['dir']}/model"
@@ -321,7 +324,9 @@ def test_export_cli_matches_the_trainers_export(reference, tmp_path):
 
 
 def test_export_cli_one_line_error(tmp_path):
-    proc = _run([f"--checkpoint={tmp_path}", f"--out_dir={tmp_path}/x"], None, "jaxllmq.export")
+    proc = run_module(
+        [f"--checkpoint={tmp_path}", f"--out_dir={tmp_path}/x"], None, "jaxllmq.export"
+    )
     assert proc.returncode == 1
     assert "neither a complete checkpoint" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -6,13 +6,12 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_checkpoint import run_module
 
 from jaxllmq import checkpoint, train
 from jaxllmq.config import CheckpointConfig, ConfigError, ModelSpec
@@ -322,17 +321,6 @@ def test_model_spec_refuses_dtype_combinations_naming_the_flag():
             ModelSpec(model="tiny", from_scratch=True, **kwargs)
 
 
-def _main(args: list[str], cache: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache)  # the second run compiles nothing
-    return subprocess.run(
-        [sys.executable, "-m", "jaxllmq.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-
-
 def test_fp8_run_resumes_bit_exactly(tmp_path):
     # Delayed scaling's amax histories are train state: the checkpoint holds them and the run
     # continues as if never stopped (resumed with fresh histories, steps 3-4 would scale by 1
@@ -363,13 +351,13 @@ def test_fp8_run_resumes_bit_exactly(tmp_path):
             *extra,
         ]
 
-    first = _main(
+    first = run_module(
         flags("--steps=4", f"--log_file={out}/a.jsonl", f"--checkpoint_dir={out}/ckpt"),
         f"{out}/cache",
     )
     assert first.returncode == 0, first.stderr[-3000:]
     resume = ["--steps=4", f"--continue={out}/ckpt/2", f"--log_file={out}/b.jsonl"]
-    second = _main(flags(*resume, f"--checkpoint_dir={out}/ckpt2"), f"{out}/cache")
+    second = run_module(flags(*resume, f"--checkpoint_dir={out}/ckpt2"), f"{out}/cache")
     assert second.returncode == 0, second.stderr[-3000:]
     steps = {}
     for name in ("a", "b"):
@@ -382,5 +370,5 @@ def test_fp8_run_resumes_bit_exactly(tmp_path):
     model = next(r for r in options if r["log"] == "options")["model"]
     dtypes = ("matmul_dtype", "linear_dtype", "gradient_dtype", "fp8_scaling")
     assert tuple(model[k] for k in dtypes) == ("bfloat16", "e4m3", "e5m2", "delayed")
-    bad = _main(flags("--steps=1", "--matmul_dtype=float32", "--gradient_dtype=e5m2"), out)
+    bad = run_module(flags("--steps=1", "--matmul_dtype=float32", "--gradient_dtype=e5m2"), out)
     assert bad.returncode == 1 and "--gradient_dtype=e5m2 needs --matmul_dtype=e4m3" in bad.stderr
