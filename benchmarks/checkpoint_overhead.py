@@ -33,8 +33,8 @@ except ImportError:  # the GPU machine may lack it: stand in for the names the p
 import jax
 from absl import app, flags
 
-from jaxllmq import config, train
-from jaxllmq.bench import synthetic_batch
+from jaxllmq import config
+from jaxllmq.bench import build_synthetic
 from jaxllmq.checkpoint import Checkpointing
 from jaxllmq.model.config import load_model_config
 from jaxllmq.parallel.mesh import make_mesh
@@ -67,20 +67,17 @@ def main(argv: list[str]) -> None:
     mesh_cfg = config.mesh_from_flags()
     mesh = make_mesh(mesh_cfg.gpus, tensor_parallel=mesh_cfg.tensor_parallel)
     t0 = time.perf_counter()
-    built = train.build(
+    built, batch = build_synthetic(
         model_cfg,
         spec,
         config.optim_from_flags(),
-        mesh=mesh,
-        total_steps=10_000,
-        seed=0,
+        mesh,
+        batch_size=F.batch_size,
+        seq_len=F.seq_len,
+        grad_accumulation=F.grad_accumulation,
+        zero_level=mesh_cfg.zero_level,
         kernels=F.kernels,
         lmhead_chunks=F.lmhead_chunks,
-        zero_level=mesh_cfg.zero_level,
-    )
-    rows = F.batch_size * (mesh.size // mesh_cfg.tensor_parallel)
-    batch = jax.device_put(
-        synthetic_batch(model_cfg, F.grad_accumulation, rows, F.seq_len), built.batch_sharding
     )
     step, state = built.train_step, built.state
     for _ in range(3):  # compile and warm up

@@ -32,10 +32,9 @@ import sys
 import jax
 from absl import app, flags
 
-from jaxllmq import config, train, xla_flags
-from jaxllmq.bench import synthetic_batch
-from jaxllmq.data.pipeline import to_global_arrays
-from jaxllmq.model.config import PRESETS, ModelConfig, load_model_config
+from jaxllmq import config
+from jaxllmq.bench import build_synthetic, start_from_flags
+from jaxllmq.model.config import ModelConfig
 from jaxllmq.parallel.mesh import make_mesh
 
 _hlo_dir = flags.DEFINE_string("hlo_dir", None, "Write the lowered and optimized HLO text here.")
@@ -136,33 +135,24 @@ def block_linear_flops(cfg: ModelConfig, tokens: int, tensor_parallel: int) -> f
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        sys.exit(f"error: unexpected arguments {argv[1:]}")
-    F = flags.FLAGS
-    if F.model is None:
-        sys.exit("error: --model is required (a preset, or an HF directory)")
-    F.from_scratch = F.from_scratch or F.model in PRESETS
-    xla_flags.apply_defaults()  # the trainer's XLA flags: the HLO checked is the HLO trained
-    spec = config.model_spec_from_flags()
+    spec, model_cfg, mesh_cfg = start_from_flags(argv)  # with the trainer's XLA flags
     if spec.linear_dtype is None:
         sys.exit("error: give --matmul_dtype=e4m3 (this checks the fp8 path)")
-    mesh_cfg = config.mesh_from_flags()
-    model_cfg = load_model_config(spec.model)
+    F = flags.FLAGS
     mesh = make_mesh(mesh_cfg.gpus, tensor_parallel=mesh_cfg.tensor_parallel)
-    built = train.build(
+    built, batch = build_synthetic(
         model_cfg,
         spec,
         config.optim_from_flags(),
-        mesh=mesh,
-        total_steps=1000,
-        seed=0,
+        mesh,
+        batch_size=F.batch_size,
+        seq_len=F.seq_len,
+        grad_accumulation=F.grad_accumulation,
+        zero_level=mesh_cfg.zero_level,
         kernels=F.kernels,
         lmhead_chunks=F.lmhead_chunks,
-        zero_level=mesh_cfg.zero_level,
     )
-    rows = F.batch_size * (mesh.size // mesh_cfg.tensor_parallel)
-    batch = synthetic_batch(model_cfg, F.grad_accumulation, rows, F.seq_len)
-    lowered = built.train_step.lower(built.state, to_global_arrays(batch, built.batch_sharding))
+    lowered = built.train_step.lower(built.state, batch)
     stablehlo = lowered.as_text()
     bodies = 1 if spec.scan_layers else model_cfg.num_hidden_layers
     dots = [ln for ln in stablehlo.splitlines() if "stablehlo.dot_general" in ln]

@@ -22,7 +22,7 @@ from jaxllmq import config, profile, train, xla_flags
 from jaxllmq.data.pipeline import to_global_arrays
 from jaxllmq.log import PEAK_FLOPS_BF16
 from jaxllmq.model.config import PRESETS, ModelConfig, load_model_config
-from jaxllmq.parallel.mesh import initialize_distributed, make_mesh
+from jaxllmq.parallel.mesh import TENSOR, initialize_distributed, make_mesh
 
 _bench_steps = flags.DEFINE_integer("bench_steps", 20, "Timed steps.", lower_bound=1)
 _bench_warmup = flags.DEFINE_integer(
@@ -67,6 +67,60 @@ def synthetic_batch(cfg: ModelConfig, acc: int, rows: int, seq_len: int, seed: i
     }
 
 
+def build_synthetic(
+    model_cfg: ModelConfig,
+    spec: config.ModelSpec,
+    optim,
+    mesh,
+    *,
+    batch_size: int,
+    seq_len: int,
+    grad_accumulation: int,
+    zero_level: int = 1,
+    kernels: str = "auto",
+    lmhead_chunks: int = 1,
+) -> tuple[train.Compiled, dict]:
+    """The state and steps as a training run builds them, and a synthetic batch on the mesh.
+
+    batch_size is per data-parallel device; each process supplies its own rows, as the data
+    pipeline does.
+    """
+    built = train.build(
+        model_cfg,
+        spec,
+        optim,
+        mesh=mesh,
+        total_steps=10_000,
+        seed=0,
+        kernels=kernels,
+        lmhead_chunks=lmhead_chunks,
+        zero_level=zero_level,
+    )
+    rows = batch_size * (mesh.size // mesh.shape[TENSOR])
+    local = synthetic_batch(
+        model_cfg, grad_accumulation, rows // jax.process_count(), seq_len, seed=jax.process_index()
+    )
+    return built, to_global_arrays(local, built.batch_sharding)
+
+
+def start_from_flags(argv: list[str]) -> tuple[config.ModelSpec, ModelConfig, config.MeshConfig]:
+    """The benchmark tools' common start: check the command line, set the trainer's XLA flags,
+    join the other processes, and read the model and mesh flags."""
+    if len(argv) > 1:
+        sys.exit(f"error: unexpected arguments {argv[1:]}")
+    F = flags.FLAGS
+    if F.model is None:
+        sys.exit("error: --model is required (a preset, or an HF directory)")
+    F.from_scratch = F.from_scratch or F.model in PRESETS  # a preset has no weights to load
+    mesh_cfg = config.mesh_from_flags()
+    xla_flags.apply_defaults()
+    initialize_distributed(
+        mesh_cfg.coordinator_address, mesh_cfg.num_processes, mesh_cfg.process_id
+    )
+    spec = config.model_spec_from_flags()
+    return spec, load_model_config(spec.model), mesh_cfg
+
+
 def run_bench(
     model_cfg: ModelConfig,
     spec: config.ModelSpec,
@@ -90,23 +144,19 @@ def run_bench(
     n_dev = mesh.size
     rows = batch_size * (n_dev // tensor_parallel)
     t0 = time.perf_counter()
-    built = train.build(
+    built, batch = build_synthetic(
         model_cfg,
         spec,
         optim,
-        mesh=mesh,
-        total_steps=10_000,
-        seed=0,
+        mesh,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        grad_accumulation=grad_accumulation,
+        zero_level=zero_level,
         kernels=kernels,
         lmhead_chunks=lmhead_chunks,
-        zero_level=zero_level,
     )
     init_s = time.perf_counter() - t0
-    # Each process supplies its own rows, as the data pipeline does.
-    local = synthetic_batch(
-        model_cfg, grad_accumulation, rows // jax.process_count(), seq_len, seed=jax.process_index()
-    )
-    batch = to_global_arrays(local, built.batch_sharding)
     t0 = time.perf_counter()
     step = built.train_step.lower(built.state, batch).compile()
     compile_s = time.perf_counter() - t0
@@ -182,19 +232,8 @@ def run_bench(
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        sys.exit(f"error: unexpected arguments {argv[1:]}")
+    spec, model_cfg, mesh_cfg = start_from_flags(argv)
     F = flags.FLAGS
-    if F.model is None:
-        sys.exit("error: --model is required (a preset, or an HF directory)")
-    F.from_scratch = F.from_scratch or F.model in PRESETS  # a preset has no weights to load
-    mesh_cfg = config.mesh_from_flags()
-    xla_flags.apply_defaults()
-    initialize_distributed(
-        mesh_cfg.coordinator_address, mesh_cfg.num_processes, mesh_cfg.process_id
-    )
-    spec = config.model_spec_from_flags()
-    model_cfg = load_model_config(spec.model)
     result = run_bench(
         model_cfg,
         spec,
