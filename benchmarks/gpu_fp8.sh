@@ -10,13 +10,9 @@
 # The runs of a section are spread over the machine's GPUs, one queue per GPU. On nvidia-h200-x2:
 #   bash benchmarks/gpu_fp8.sh speed    (about 5 min)
 #   bash benchmarks/gpu_fp8.sh curves   (about 7 min: two curves side by side, then the third)
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
+source benchmarks/gpu_env.sh
 STEPS=${STEPS:-500}
 read -r -a CURVES <<< "${CURVES:-bf16 e4m3-current e4m3-delayed}"
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 SECTIONS="${*:-speed curves}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 GPUS=$(nvidia-smi -L | wc -l)

@@ -7,11 +7,8 @@
 #   procs  8 processes x 1 GPU through launch/local.sh against 1 process x 8 GPUs: the same
 #          20 training steps of the 1B on the quickstart corpus, losses compared step by step
 # Usage: bash benchmarks/gpu_scaling_x8.sh [1b] [8b] [procs]   (default: all; JSON in $OUT)
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+source benchmarks/gpu_env.sh
+export NCCL_NVLS_ENABLE=0
 nvidia-smi topo -m | head -10
 SECTIONS="${*:-1b 8b procs}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }

@@ -5,11 +5,7 @@
 #          and fp8 (the HLO check, then e4m3 tokens/s on 1B and 3B);
 #   GPU 1: the peer (transformers + torch.compile, bf16) on the same shapes.
 # JSON lines in $OUT/jax.jsonl and $OUT/peer.jsonl; a table at the end.
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source benchmarks/gpu_env.sh
 nvidia-smi topo -m | head -4
 SHAPES=("llama-3.2-1b 8 2048" "llama-3.2-3b 8 2048" "qwen2.5-0.5b 8 2048" "llama-3.2-1b 4 4096" "llama-3.2-1b 2 8192")
 BF16=(--noscan_layers --model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16 --measure_matmul_ceiling=false --bench_steps=15 --json)

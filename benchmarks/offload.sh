@@ -5,11 +5,7 @@
 #   8b     the 8B preset at T=4096, fp32 master + AdamW moments, every offload on; then without
 #          offload (expected not to fit: its error is recorded)
 # Usage: bash benchmarks/offload.sh [check] [1b] [8b]   (default: all three); results in $OUT.
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 SECTIONS="${*:-check 1b 8b}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }

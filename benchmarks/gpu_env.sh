@@ -1,0 +1,11 @@
+# Sourced by the benchmarks/gpu_*.sh scripts on the GPU machine, from the repository root: results
+# go to $OUT (default /tmp/out); the wheels the machine lacks (grain and its dependencies, from
+# ../shared/device/wheels.sh, carried as .whl/) go on PYTHONPATH beside the repository.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1 || {
+  echo "error: installing .whl/*.whl failed: run ../shared/device/wheels.sh and carry .whl" >&2
+  exit 1
+}
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
