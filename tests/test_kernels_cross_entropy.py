@@ -121,6 +121,21 @@ def test_large_vocab_chunked_xla():
            jnp.float32, seed)  # fmt: skip
 
 
+def test_xla_path_runs_its_backward_matmuls_in_bf16():
+    """bf16 inputs: every matmul of the XLA loss's gradient takes bf16 operands, at any chunk
+    count (the reference's autodiff multiplies fp32 dlogits: TF32 GEMMs on a GPU)."""
+    h, w, t, m = _inputs(64, 32, 257, jnp.bfloat16, 0)
+    for chunks in (1, 4):
+        grad = jax.grad(
+            lambda h, w, c=chunks: lm_head_loss(h, w, t, m, impl="xla", chunks=c)[0], (0, 1)
+        )
+        dots = [
+            ln for ln in jax.jit(grad).lower(h, w).as_text().splitlines() if "dot_general" in ln
+        ]
+        operands = [ln.split(" : (")[1].split(") -> ")[0] for ln in dots]
+        assert len(dots) == 3 and all("f32" not in o for o in operands), (chunks, operands)
+
+
 def test_forward_only_paths_match_reference():
     """Without a gradient Pallas runs one launch over all tokens; chunked XLA a scan."""
     seed = _seed()
