@@ -6,7 +6,10 @@
 # 1 GPU with the same weights and kernels (XLA's: a Pallas call has no SPMD rule, see kernels/).
 # NCCL settings pass through the environment, e.g. `NCCL_PROTO=Simple bash benchmarks/gpu_scaling.sh`
 # (the 04:47 UTC profile showed the per-layer all-reduces running NCCL's ring LL protocol).
+# Usage: bash benchmarks/gpu_scaling.sh [fp32] [bf16]   (default: both sections)
 source benchmarks/gpu_env.sh
+SECTIONS="${*:-fp32 bf16}"
+want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 export NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 env | grep -E "^(NCCL|XLA)_" || true
@@ -23,15 +26,21 @@ two_procs() {  # ZeRO level, extra flags...
   grep '^{' "$OUT/proc0-z$z.txt" | tail -1 | tee -a "$OUT/scaling.jsonl"
 }
 
-bench --gpus=1 --kernels=xla
-bench --gpus=2 --zero_level=1 --profile_steps=2
-grep -A14 "device kernel time" "$OUT/err.txt"
-for z in 2 3; do bench --gpus=2 --zero_level=$z; done
-bench --gpus=2 --zero_level=3 --kernels=lm_head_loss=pallas  # the fused loss per device (shard_map)
-for z in 1 3; do two_procs $z; done
-BF16=(--model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16)
-bench --gpus=1 --kernels=xla "${BF16[@]}"
-for z in 1 2 3; do bench --gpus=2 --zero_level=$z "${BF16[@]}"; done
+if want fp32; then
+  bench --gpus=1 --kernels=xla
+  bench --gpus=2 --zero_level=1 --profile_steps=2
+  grep -A14 "device kernel time" "$OUT/err.txt"
+  for z in 2 3; do bench --gpus=2 --zero_level=$z; done
+  bench --gpus=2 --zero_level=3 --kernels=lm_head_loss=pallas  # the fused loss per device (shard_map)
+  for z in 1 3; do two_procs $z; done
+fi
+if want bf16; then
+  BF16=(--model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16)
+  bench --gpus=1 --kernels=xla "${BF16[@]}"
+  bench --gpus=2 --zero_level=1 --profile_steps=2 "${BF16[@]}"
+  grep -A14 "device kernel time" "$OUT/err.txt"
+  for z in 2 3; do bench --gpus=2 --zero_level=$z "${BF16[@]}"; done
+fi
 python3 - "$OUT/scaling.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]

@@ -35,6 +35,9 @@ _profile_steps = flags.DEFINE_integer(
     "After timing, trace this many steps and report GPU kernel time by category (jaxllmq.profile).",
     lower_bound=0,
 )
+_profile_top = flags.DEFINE_integer(
+    "profile_top", 15, "With --profile_steps: how many of the longest kernels to list.", lower_bound=1
+)
 _measure_ceiling = flags.DEFINE_bool(
     "measure_matmul_ceiling", True, "On GPU, time an 8192^3 bf16 matmul as the practical peak."
 )
@@ -138,6 +141,7 @@ def run_bench(
     kernels: str = "auto",
     lmhead_chunks: int = 1,
     profile_steps: int = 0,
+    profile_top: int = 15,
 ) -> dict:
     """Compile, warm up and time the train step; returns the measurements."""
     mesh = make_mesh(gpus, tensor_parallel=tensor_parallel)
@@ -185,7 +189,7 @@ def run_bench(
                 for _ in range(profile_steps):
                     state, m = step(state, batch)
                 jax.block_until_ready(m)
-            profiled = profile.breakdown(trace_dir, profile_steps)
+            profiled = profile.breakdown(trace_dir, profile_steps, top=profile_top)
     tokens_per_step = grad_accumulation * rows * seq_len
     tokens_per_s = tokens_per_step * steps / total_s
     flops = model_cfg.flops_per_token(seq_len) * tokens_per_s
@@ -250,6 +254,7 @@ def main(argv: list[str]) -> None:
         kernels=F.kernels,
         lmhead_chunks=F.lmhead_chunks,
         profile_steps=_profile_steps.value,
+        profile_top=_profile_top.value,
     )
     if jax.process_index() != 0:
         return

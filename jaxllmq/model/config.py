@@ -387,6 +387,17 @@ PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=False,
         max_position_embeddings=131072,
     ),
+    "qwen2.5-14b": _qwen25(
+        vocab_size=152064,
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        max_position_embeddings=131072,
+    ),
 }
 
 
