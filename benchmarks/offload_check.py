@@ -1,6 +1,6 @@
 """On the GPU: each host-offload switch trains the tiny preset to the same losses as none.
 
-    python benchmarks/offload_check.py [--model=tiny] [--steps=3]
+    python benchmarks/offload_check.py [--model=tiny] [--check_steps=3] [--matmul_dtype=bfloat16]
 
 Prints one JSON line per switch: its losses, whether they equal the no-offload run's bit for bit,
 the memory kinds the state comes back in, and how many host-memory buffers (S(5)) the compiled
@@ -13,7 +13,7 @@ import sys
 import jax
 from absl import app, flags
 
-from jaxllmq import train
+from jaxllmq import train, xla_flags
 from jaxllmq.bench import synthetic_batch
 from jaxllmq.config import ModelSpec
 from jaxllmq.model.config import load_model_config
@@ -22,9 +22,8 @@ from jaxllmq.offload import Offload
 from jaxllmq.optim import OptimConfig
 from jaxllmq.parallel.mesh import make_mesh
 
-_model = flags.DEFINE_string("model", "tiny", "Preset to train.")
-_steps = flags.DEFINE_integer("steps", 3, "Steps per switch.")
-_matmul = flags.DEFINE_string("matmul_dtype", "bfloat16", "Compute dtype.")
+# --model and --matmul_dtype are the trainer's flags (jaxllmq.config, imported through bench).
+_steps = flags.DEFINE_integer("check_steps", 3, "Steps per switch.")
 
 SWITCHES = {
     "none": {},
@@ -38,12 +37,14 @@ SWITCHES = {
 
 def main(argv: list[str]) -> None:
     del argv
-    cfg = load_model_config(_model.value)
+    xla_flags.apply_defaults()  # the pinned host memory pool's size, before the backend starts
+    model, matmul = flags.FLAGS.model or "tiny", flags.FLAGS.matmul_dtype
+    cfg = load_model_config(model)
     optim = OptimConfig(lr=3e-3, weight_decay=0.1)
     batch = synthetic_batch(cfg, 2, 4, 128, seed=7)
     base = None
     for name, kw in SWITCHES.items():
-        spec = ModelSpec(model=_model.value, from_scratch=True, matmul_dtype=_matmul.value, **kw)
+        spec = ModelSpec(model=model, from_scratch=True, matmul_dtype=matmul, **kw)
         built = train.build(cfg, spec, optim, mesh=make_mesh(1), total_steps=10, seed=0)
         b = jax.device_put(batch, built.batch_sharding)
         hlo = built.train_step.lower(built.state, b).compile().as_text()

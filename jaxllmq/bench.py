@@ -36,7 +36,10 @@ _profile_steps = flags.DEFINE_integer(
     lower_bound=0,
 )
 _profile_top = flags.DEFINE_integer(
-    "profile_top", 15, "With --profile_steps: how many of the longest kernels to list.", lower_bound=1
+    "profile_top",
+    15,
+    "With --profile_steps: how many of the longest kernels to list.",
+    lower_bound=1,
 )
 _measure_ceiling = flags.DEFINE_bool(
     "measure_matmul_ceiling", True, "On GPU, time an 8192^3 bf16 matmul as the practical peak."

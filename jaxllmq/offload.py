@@ -167,7 +167,7 @@ class Streams:
         norm, finite = optax.tree.norm(grads), all_finite(grads)
         param_flags, state_flags = _is_layer(params), self._flags(opt_state, params)
 
-        def piece(pick):
+        def piece(pick, params, opt_state):
             # The optimizer over one piece (a layer, or the non-layer parameters), with the whole
             # gradients' norm and finiteness: the same arithmetic as one update of all of it.
             p = jax.tree.map(pick, params, param_flags, self.param_shardings)
@@ -182,7 +182,13 @@ class Streams:
             send = lambda x, f, s: self._to_home(x, s, layer) if f is layer else x
             return jax.tree.map(send, tree, flags, shardings)
 
-        def layer(i):
+        def layer(i, carry):
+            # The stacked master and moments are the loop's carry, each layer written back into
+            # its slot: updated in place, in the (donated) buffers they came in. A lax.map's fresh
+            # stacked outputs cost a whole host-to-host copy of each after the loop (measured
+            # 1.06 s of a 1.6 s 1B step on the H200).
+            stacked_p, stacked_st = carry
+
             def pick(x, f, s):
                 if f == "state":
                     return x
@@ -190,10 +196,14 @@ class Streams:
                     return _empty(x)
                 return x[i] if s is None else self._to_device(x[i], s, True)
 
-            p, st = piece(pick)
-            return (
-                home(p, param_flags, self.param_shardings, True),
-                home(st, state_flags, self.opt_shardings, True),
+            p, st = piece(pick, stacked_p, stacked_st)
+            p = home(p, param_flags, self.param_shardings, True)
+            st = home(st, state_flags, self.opt_shardings, True)
+            put = lambda full, new, f: (
+                jax.lax.dynamic_update_index_in_dim(full, new, i, 0) if f is True else full
+            )
+            return jax.tree.map(put, stacked_p, p, param_flags), jax.tree.map(
+                put, stacked_st, st, state_flags
             )
 
         def rest(x, f, s):
@@ -204,8 +214,14 @@ class Streams:
             return x if s is None else self._to_device(x, s, False)
 
         L = next(iter(params[LAYERS].values())).shape[0]
-        layer_p, layer_st = jax.lax.map(layer, jnp.arange(L))
-        rest_p, rest_st = piece(rest)
+        # The non-layer parameters stay out of the loop (zero-size stand-ins in its carry).
+        carry = lambda tree, flags: jax.tree.map(
+            lambda x, f: _empty(x) if f is False else x, tree, flags
+        )
+        layer_p, layer_st = jax.lax.fori_loop(
+            0, L, layer, (carry(params, param_flags), carry(opt_state, state_flags))
+        )
+        rest_p, rest_st = piece(rest, params, opt_state)
         rest_p = home(rest_p, param_flags, self.param_shardings, False)
         rest_st = home(rest_st, state_flags, self.opt_shardings, False)
         join = lambda stacked, other, f: stacked if f is True else other

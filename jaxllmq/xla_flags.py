@@ -2,6 +2,10 @@
 
 Applied by the entry points before the backend starts (XLA reads XLA_FLAGS once). Each default is
 here because it was measured (docs/PERFORMANCE.md); set the flag in XLA_FLAGS to override it.
+
+Also the GPU client's pinned host memory pool (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, 64 GB unless
+set): host offload (jaxllmq/offload.py) keeps the fp32 master and Adam moments there, 12 bytes a
+parameter, 96 GB for an 8B model. The default here is 3/4 of the machine's memory.
 """
 
 import os
@@ -11,7 +15,7 @@ DEFAULTS = {
     # 47 s -> 8 s because the Triton tilings are no longer autotuned.
     "xla_gpu_enable_triton_gemm": "false",
     # Schedule async collectives against compute, so the per-layer gradient reductions
-    # (parallel/layer_weights.py) overlap with the rest of the backward pass.
+    # overlap with the rest of the backward pass.
     "xla_gpu_enable_latency_hiding_scheduler": "true",
 }
 
@@ -23,6 +27,17 @@ def with_defaults(xla_flags: str) -> str:
     return " ".join([xla_flags.strip(), *extra]).strip()
 
 
+HOST_MEMORY_LIMIT = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+
+
+def host_memory_limit_gb() -> int:
+    """The pinned host memory pool jaxllmq asks for: 3/4 of physical memory, in GB."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(0.75 * total / 1e9)
+
+
 def apply_defaults() -> None:
-    """Add the defaults to this process's XLA_FLAGS (call before jax touches a device)."""
+    """Add the defaults to this process's XLA_FLAGS and the host memory pool's size to its
+    environment, where the user has not set them (call before jax touches a device)."""
     os.environ["XLA_FLAGS"] = with_defaults(os.environ.get("XLA_FLAGS", ""))
+    os.environ.setdefault(HOST_MEMORY_LIMIT, str(host_memory_limit_gb()))

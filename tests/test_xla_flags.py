@@ -1,6 +1,8 @@
 """The XLA flag defaults never override what the user set."""
 
-from jaxllmq.xla_flags import DEFAULTS, with_defaults
+import os
+
+from jaxllmq.xla_flags import DEFAULTS, HOST_MEMORY_LIMIT, apply_defaults, with_defaults
 
 
 def test_defaults_are_added_to_an_empty_environment():
@@ -15,3 +17,14 @@ def test_a_user_setting_wins_and_other_flags_are_kept():
     assert "--xla_gpu_enable_triton_gemm=false" not in out
     assert "--xla_force_host_platform_device_count=8" in out
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in out
+
+
+def test_host_memory_pool_default_and_user_setting(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.delenv(HOST_MEMORY_LIMIT, raising=False)
+    apply_defaults()
+    total_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    assert 0 < int(os.environ[HOST_MEMORY_LIMIT]) <= total_gb
+    monkeypatch.setenv(HOST_MEMORY_LIMIT, "7")
+    apply_defaults()
+    assert os.environ[HOST_MEMORY_LIMIT] == "7"

@@ -88,6 +88,13 @@ def gemm(a, b, contract, scale, out_dtype, precision) -> jax.Array:
     return out * scale.astype(out_dtype)
 
 
+def wgrad(qx_MxK, qg_MxN, scale, out_dtype) -> jax.Array:
+    """The weight gradient x^T g [K, N] of fp8 x and g, summed over the M rows in fp32."""
+    # On the H200 XLA lays the result out [N, K] either way round (operands swapped and .T
+    # measured no different, 2026-11-30), so the optimizer reads these gradients transposed.
+    return gemm(qx_MxK, qg_MxN, ((0,), (0,)), scale, out_dtype, lax.Precision.HIGHEST)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _dense(x_MxK: jax.Array, w_KxN: jax.Array, dtype_name: str, grad_name: str) -> jax.Array:
     return _dense_fwd(x_MxK, w_KxN, dtype_name, grad_name)[0]
@@ -110,7 +117,7 @@ def _dense_bwd(dtype_name, grad_name, res, g_MxN):
     qg_MxN = quantize(g_MxN, gdtype, sg)
     high = lax.Precision.HIGHEST  # no fast accumulation for gradients
     dx_MxK = gemm(qg_MxN, qw_KxN, ((1,), (1,)), sg * sw, g_MxN.dtype, high)
-    dw_KxN = gemm(qx_MxK, qg_MxN, ((0,), (0,)), sx * sg, w_dtype.dtype, high)
+    dw_KxN = wgrad(qx_MxK, qg_MxN, sx * sg, w_dtype.dtype)
     return dx_MxK, dw_KxN
 
 

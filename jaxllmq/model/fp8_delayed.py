@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxllmq.model.fp8 import abs_max, fp8_dtype, gemm, quantize, scale_for
+from jaxllmq.model.fp8 import abs_max, fp8_dtype, gemm, quantize, scale_for, wgrad
 
 # Each block linear's input, named by what produces it; the first linear named reports its amax.
 INPUTS = {
@@ -78,7 +78,7 @@ def _dense_bwd(dtype_name, grad_name, report_x, res, g_MxN):
     qg_MxN = quantize(g_MxN, fp8_dtype(grad_name), sg)
     high = lax.Precision.HIGHEST  # no fast accumulation for gradients
     dx_MxK = gemm(qg_MxN, qw_KxN, ((1,), (1,)), sg * sw, g_MxN.dtype, high)
-    dw_KxN = gemm(qx_MxK, qg_MxN, ((0,), (0,)), sx * sg, w_dtype.dtype, high)
+    dw_KxN = wgrad(qx_MxK, qg_MxN, sx * sg, w_dtype.dtype)
     # The references' "gradients": this step's amaxes (see the module docstring).
     return dx_MxK, dw_KxN, amax_x, amax_w, abs_max(g_MxN)
 
