@@ -4,6 +4,7 @@ The host loop that drives them is trainer.py."""
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllmq.config import ModelSpec
@@ -107,6 +109,10 @@ def make_train_step(
         shard_grads = lambda g: g
     else:
         shard_grads = lambda g: jax.lax.with_sharding_constraint(g, grad_shardings)
+    if os.environ.get("JAXLLMQ_GRAD_LAYOUT"):  # experiment: row-major stacked gradients
+        _shard = shard_grads
+        row_major = lambda x: Layout(major_to_minor=tuple(range(x.ndim)))
+        shard_grads = lambda g: with_layout_constraint(_shard(g), jax.tree.map(row_major, g))
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         weights = state.params if streams is None else streams.compute_params(state.params)
