@@ -2,9 +2,14 @@
 # On the GPU machine (issue 10): host offload of master weights, Adam moments and residuals.
 #   check  each switch trains the tiny preset to the no-offload losses (benchmarks/offload_check.py)
 #   1b     cost of each switch on the 1B, B=8 T=2048: tokens/s and peak memory
-#   8b     the 8B preset at T=4096, fp32 master + AdamW moments, every offload on; then without
-#          offload (expected not to fit: its error is recorded)
-# Usage: bash benchmarks/offload.sh [check] [1b] [8b]   (default: all three); results in $OUT.
+#   8b     the 8B preset at T=4096, fp32 master + AdamW moments, every offload on (also with 8
+#          micro-batches per step); then without offload (expected not to fit: its error is
+#          recorded)
+#   8b-switches  the 8B at T=4096 with bf16 weights and moments (fits without offload): the cost
+#          of each switch against none
+#   14b    qwen2.5-14b on every GPU of the machine (nvidia-h200-x2), ZeRO-3, every offload on
+# Usage: bash benchmarks/offload.sh [check] [1b] [8b] [8b-switches] [14b]   (default: check 1b 8b);
+# results in $OUT. Each section fits one 10-minute device call.
 source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 SECTIONS="${*:-check 1b 8b}"
@@ -41,6 +46,20 @@ if want 8b; then
   bench 8b-all-acc8 $B8 $ALL --grad_accumulation=8
   bench 8b-moments $B8 --offload_opt_m --offload_opt_v
   bench 8b-none $B8
+fi
+
+if want 8b-switches; then
+  echo "== 8B, B=1 T=4096, bf16 weights and moments: cost of each switch"
+  B8="--model=llama-3.1-8b --batch_size=1 --seq_len=4096 --lmhead_chunks=8 --bench_steps=5 --bench_warmup=2"
+  B8="$B8 --model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16"
+  bench 8bh-none $B8
+  for s in master opt_m opt_v residual; do bench "8bh-$s" $B8 --offload_$s; done
+fi
+
+if want 14b; then
+  echo "== qwen2.5-14b, B=1 T=4096 per GPU, ZeRO-3 over $(nvidia-smi -L | wc -l) GPUs, every offload on"
+  bench 14b-all --model=qwen2.5-14b --batch_size=1 --seq_len=4096 --lmhead_chunks=8 --zero_level=3 \
+    --bench_steps=3 --bench_warmup=1 $ALL
 fi
 
 python3 - "$OUT/offload.tsv" <<'PY'

@@ -4,7 +4,6 @@ The host loop that drives them is trainer.py."""
 
 import dataclasses
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -80,6 +79,10 @@ def _micro_loss(
     )
 
 
+def _row_major(x: jax.Array) -> Layout:
+    return Layout(major_to_minor=tuple(range(x.ndim)))
+
+
 def make_train_step(
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
@@ -105,14 +108,15 @@ def make_train_step(
         argnums=(0, 1),
         has_aux=True,
     )
-    if grad_shardings is None:
-        shard_grads = lambda g: g
-    else:
-        shard_grads = lambda g: jax.lax.with_sharding_constraint(g, grad_shardings)
-    if os.environ.get("JAXLLMQ_GRAD_LAYOUT"):  # experiment: row-major stacked gradients
-        _shard = shard_grads
-        row_major = lambda x: Layout(major_to_minor=tuple(range(x.ndim)))
-        shard_grads = lambda g: with_layout_constraint(_shard(g), jax.tree.map(row_major, g))
+
+    def shard_grads(g):
+        if grad_shardings is not None:
+            g = jax.lax.with_sharding_constraint(g, grad_shardings)
+        # Row-major, as the parameters are. With fp8 block linears XLA otherwise stacks the
+        # per-layer weight gradients [L, K, N] as [K, L, N] (the fp8 GEMM writes [N, K]-major)
+        # and the optimizer reads them transposed: pinning the layout took the 8B e4m3 step on
+        # the H200 from 767 to 580 ms. In bf16 it pins the layout XLA picks anyway.
+        return with_layout_constraint(g, jax.tree.map(_row_major, g))
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         weights = state.params if streams is None else streams.compute_params(state.params)

@@ -1,6 +1,7 @@
 """The train step's arithmetic: accumulation, masking, non-finite skips, fine-tune start loss."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -164,3 +165,21 @@ def test_pallas_kernels_and_chunked_loss_match_xla_in_the_step(lmhead_chunks):
     assert abs(float(m_xla["loss"]) - float(m_pal["loss"])) < 1e-5
     assert abs(float(m_xla["norm"]) - float(m_pal["norm"])) < 1e-4 * float(m_xla["norm"])
     assert _max_diff(s_xla.params, s_pal.params) < 1e-6
+
+
+def test_gradients_are_pinned_row_major():
+    # The fp8 weight-gradient GEMM writes [N, K]-major; unpinned, XLA stacked the layers'
+    # gradients [K, L, N] and the optimizer read them transposed (PERFORMANCE.md, fp8).
+    state, step = _setup()
+    text = step.lower(state, _batch(np.random.default_rng(0), 1, 2, 16, SMALL.vocab_size)).as_text()
+    pinned = re.findall(
+        r"@LayoutConstraint\(.*?result_layouts = \[dense<\[?([0-9, ]+)\]?>.*?\(tensor<([0-9x]+)x",
+        text,
+    )
+    leaves = jax.tree.leaves(state.params)
+    shapes = {"x".join(map(str, x.shape)) for x in leaves}
+    # Each parameter's gradient (and its accumulator) is pinned, minor-to-major [n-1, ..., 0].
+    assert shapes <= {shape for _, shape in pinned}
+    for layout, shape in pinned:
+        ndim = shape.count("x") + 1
+        assert [int(d) for d in layout.split(",")] == list(range(ndim))[::-1], (layout, shape)
