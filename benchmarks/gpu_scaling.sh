@@ -6,7 +6,9 @@
 # 1 GPU with the same weights and kernels (XLA's: a Pallas call has no SPMD rule, see kernels/).
 # NCCL settings pass through the environment, e.g. `NCCL_PROTO=Simple bash benchmarks/gpu_scaling.sh`
 # (the 04:47 UTC profile showed the per-layer all-reduces running NCCL's ring LL protocol).
-# Usage: bash benchmarks/gpu_scaling.sh [fp32] [bf16]   (default: both sections)
+# Usage: bash benchmarks/gpu_scaling.sh [fp32] [bf16] [tune]   (default: fp32 bf16)
+#   tune: the collectives' bus bandwidth alone (benchmarks/collectives.py), then bf16 ZeRO-1 and
+#         ZeRO-2 on 2 GPUs under each of $TUNE's settings (env assignments, ";"-separated)
 source benchmarks/gpu_env.sh
 SECTIONS="${*:-fp32 bf16}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -15,7 +17,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 env | grep -E "^(NCCL|XLA)_" || true
 common=(--model=llama-3.2-1b --batch_size=8 --seq_len=2048 --noscan_layers --bench_steps=12
         --measure_matmul_ceiling=false --json)
-bench() { python3 -m jaxllmq.bench "${common[@]}" "$@" 2>"$OUT/err.txt" | grep '^{' | tail -1 | tee -a "$OUT/scaling.jsonl" || tail -5 "$OUT/err.txt"; }
+tag() { python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); r["variant"]=sys.argv[1]; print(json.dumps(r))' "${VARIANT:-}"; }
+bench() { python3 -m jaxllmq.bench "${common[@]}" "$@" 2>"$OUT/err.txt" | grep '^{' | tail -1 | tag | tee -a "$OUT/scaling.jsonl" || tail -5 "$OUT/err.txt"; }
 two_procs() {  # ZeRO level, extra flags...
   local z=$1; shift; local port=$((20000 + RANDOM % 20000))
   for i in 0 1; do
@@ -41,13 +44,27 @@ if want bf16; then
   grep -A14 "device kernel time" "$OUT/err.txt"
   for z in 2 3; do bench --gpus=2 --zero_level=$z "${BF16[@]}"; done
 fi
+TUNE=${TUNE:-"A=1;XLA_FLAGS=--xla_gpu_enable_highest_priority_async_stream=true;XLA_FLAGS=--xla_gpu_all_reduce_combine_threshold_bytes=1073741824 --xla_gpu_all_gather_combine_threshold_bytes=1073741824 --xla_gpu_reduce_scatter_combine_threshold_bytes=1073741824;NCCL_MIN_NCHANNELS=16"}
+if want tune; then
+  python3 benchmarks/collectives.py 2>&1 | tail -13
+  BF16=(--model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16)
+  bench --gpus=1 --kernels=xla "${BF16[@]}"
+  IFS=";" read -r -a settings <<< "$TUNE"
+  for setting in "${settings[@]}"; do
+    for z in 1 2; do
+      VARIANT=$setting env "$setting" python3 -m jaxllmq.bench "${common[@]}" --gpus=2 --zero_level=$z \
+        "${BF16[@]}" 2>"$OUT/err.txt" | grep '^{' | tail -1 | VARIANT=$setting tag | tee -a "$OUT/scaling.jsonl" \
+        || tail -3 "$OUT/err.txt"
+    done
+  done
+fi
 python3 - "$OUT/scaling.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 base = {r["model_dtype"]: r["tokens_per_s"] for r in rows if r["devices"] == 1}
-print(f"{'weights':>8} {'kernels':>20} {'gpus':>4} {'procs':>5} {'zero':>4} {'tok/s':>9} {'per-GPU eff':>11} {'MFU':>6} {'GiB/GPU':>8} {'step ms':>8}")
+print(f"{'weights':>8} {'kernels':>20} {'gpus':>4} {'procs':>5} {'zero':>4} {'tok/s':>9} {'per-GPU eff':>11} {'MFU':>6} {'GiB/GPU':>8} {'step ms':>8}  setting")
 for r in rows:
     eff = r["tokens_per_s"] / (r["devices"] * base[r["model_dtype"]]) if r["model_dtype"] in base else float("nan")
     print(f"{r['model_dtype']:>8} {r['kernels']:>20} {r['devices']:>4} {r['processes']:>5} {r['zero_level']:>4} {r['tokens_per_s']:>9,.0f} "
-          f"{eff:>11.3f} {100 * r['mfu_spec']:>5.1f}% {r['peak_memory_gib_per_device'] or 0:>8.1f} {r['step_ms_median']:>8.1f}")
+          f"{eff:>11.3f} {100 * r['mfu_spec']:>5.1f}% {r['peak_memory_gib_per_device'] or 0:>8.1f} {r['step_ms_median']:>8.1f}  {r.get('variant', '')[:60]}")
 PY
