@@ -64,9 +64,7 @@ def main() -> None:
         for size in sizes:
             elems = size // 2  # bf16; the full buffer each device holds (all-gather: its output)
             width = elems // n if name == "all_gather" else elems
-            x = jax.device_put(
-                jnp.ones((n, width), jnp.bfloat16), NamedSharding(mesh, spec_in)
-            )
+            x = jax.device_put(jnp.ones((n, width), jnp.bfloat16), NamedSharding(mesh, spec_in))
             f = jax.jit(smap(fn, in_specs=spec_in, out_specs=spec_out))
             f(x).block_until_ready()
             times = []
