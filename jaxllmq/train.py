@@ -48,34 +48,45 @@ class TrainState:
 Batch = dict[str, jax.Array]  # inputs, targets: int32 [acc, B, T]; loss_mask: bool [acc, B, T]
 
 
+@dataclasses.dataclass(frozen=True)
+class LmHeadLoss:
+    """How the step computes the LM head and its loss: the kernel (`--kernels`'s lm_head_loss,
+    resolved), `--lmhead_chunks`, and the mesh to run it per device under shard_map on (the
+    Pallas loss on several devices; None: the whole batch in one call)."""
+
+    impl: str = "xla"
+    chunks: int = 1
+    mesh: jax.sharding.Mesh | None = None
+
+    def __call__(self, h_NxD, head_w, targets_N, mask_N, *, z_loss: float):
+        """(summed objective, statistics) of lm_head_loss over the N tokens."""
+        loss = lm_head_loss
+        if self.mesh is not None:
+            loss = functools.partial(lm_head_loss_sharded, mesh=self.mesh, token_axes=BATCH_AXES)
+        return loss(
+            h_NxD, head_w, targets_N, mask_N, z_loss=z_loss, impl=self.impl, chunks=self.chunks
+        )
+
+
 def _micro_loss(
     params: dict,
     graphdef: nnx.GraphDef,
     micro: Batch,
     *,
+    loss: LmHeadLoss,
     z_loss: float,
-    impl: str,
-    chunks: int,
     fp8_amax: dict | None = None,
-    loss_mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Summed objective over one micro-batch's trained tokens, and the loss statistics.
-
-    loss_mesh: run the loss per device under shard_map (the Pallas loss on several devices)."""
+    """Summed objective over one micro-batch's trained tokens, and the loss statistics."""
     model = nnx.merge(graphdef, params)
     h_BxTxD = model(micro["inputs"], fp8_amax=fp8_amax)
     B, T, D = h_BxTxD.shape
-    loss = lm_head_loss
-    if loss_mesh is not None:
-        loss = functools.partial(lm_head_loss_sharded, mesh=loss_mesh, token_axes=BATCH_AXES)
     return loss(
         h_BxTxD.reshape(B * T, D),
         model.head_weight(),
         micro["targets"].reshape(B * T),
         micro["loss_mask"].reshape(B * T),
         z_loss=z_loss,
-        impl=impl,
-        chunks=chunks,
     )
 
 
@@ -89,9 +100,7 @@ def make_train_step(
     schedule: optax.Schedule,
     *,
     z_loss: float = 0.0,
-    loss_impl: str = "xla",
-    lmhead_chunks: int = 1,
-    loss_mesh: jax.sharding.Mesh | None = None,
+    loss: LmHeadLoss = LmHeadLoss(),
     grad_shardings: dict | None = None,
     streams: Streams | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
@@ -129,10 +138,8 @@ def make_train_step(
                 reference,
                 graphdef,
                 micro,
+                loss=loss,
                 z_loss=z_loss,
-                impl=loss_impl,
-                chunks=lmhead_chunks,
-                loss_mesh=loss_mesh,
             )
             amax = jax.tree.map(jnp.maximum, amax, micro_amax)  # the step's: max, not sum
             # Accumulate in fp32: summing bf16 micro-batch grads loses their small components.
@@ -180,9 +187,7 @@ def make_train_step(
 def make_eval_step(
     graphdef: nnx.GraphDef,
     *,
-    loss_impl: str = "xla",
-    lmhead_chunks: int = 1,
-    loss_mesh: jax.sharding.Mesh | None = None,
+    loss: LmHeadLoss = LmHeadLoss(),
     streams: Streams | None = None,
 ) -> Callable[[dict, Batch], tuple[jax.Array, jax.Array]]:
     """(ce_sum, tokens) over one [1, B, T] batch."""
@@ -194,10 +199,8 @@ def make_eval_step(
             weights,
             graphdef,
             micro,
+            loss=loss,
             z_loss=0.0,
-            impl=loss_impl,
-            chunks=lmhead_chunks,
-            loss_mesh=loss_mesh,
         )
         return aux["ce_sum"], jnp.sum(micro["loss_mask"], dtype=jnp.int32)
 
@@ -272,7 +275,9 @@ def build(
     norm_impl = resolve_impl(kernels, "rms_norm", num_devices=mesh.size)
     loss_impl = resolve_impl(kernels, "lm_head_loss", num_devices=mesh.size)
     # A Pallas call has no partitioning rule: on several devices it runs per device's tokens.
-    loss_mesh = mesh if loss_impl == "pallas" and mesh.size > 1 else None
+    loss = LmHeadLoss(
+        loss_impl, lmhead_chunks, mesh if loss_impl == "pallas" and mesh.size > 1 else None
+    )
     model_kwargs = dict(
         param_dtype=jnp.dtype(spec.model_dtype),
         dtype=jnp.dtype(spec.matmul_dtype),
@@ -351,9 +356,7 @@ def build(
             optimizer,
             lr_schedule(optim, total_steps),
             z_loss=z_loss,
-            loss_impl=loss_impl,
-            lmhead_chunks=lmhead_chunks,
-            loss_mesh=loss_mesh,
+            loss=loss,
             grad_shardings=rules.shardings(axes, abstract, tables.grads, mesh),
             streams=streams,
         ),
@@ -364,9 +367,7 @@ def build(
     eval_step = jax.jit(
         make_eval_step(
             graphdef,
-            loss_impl=loss_impl,
-            lmhead_chunks=lmhead_chunks,
-            loss_mesh=loss_mesh,
+            loss=loss,
             streams=streams,
         ),
         in_shardings=(param_shardings, data_sharding),

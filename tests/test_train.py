@@ -157,9 +157,8 @@ def test_pallas_kernels_and_chunked_loss_match_xla_in_the_step(lmhead_chunks):
         params = params_of(Llama(cfg, rngs=train.nnx.Rngs(0)))
         opt = make_optimizer(optim, 10, axes)
         state = train.TrainState(jnp.zeros((), jnp.int32), params, opt.init(params))
-        step = train.make_train_step(
-            graphdef, opt, lr_schedule(optim, 10), loss_impl=impl, lmhead_chunks=lmhead_chunks
-        )
+        loss = train.LmHeadLoss(impl, lmhead_chunks)
+        step = train.make_train_step(graphdef, opt, lr_schedule(optim, 10), loss=loss)
         results.append(jax.jit(step)(state, batch))
     (s_xla, m_xla), (s_pal, m_pal) = results
     assert abs(float(m_xla["loss"]) - float(m_pal["loss"])) < 1e-5
