@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 9: bf16 vs e4m3 with current vs delayed fp8 scaling (--fp8_scaling), on an H200 machine.
 #   speed:  per model (1B, 3B; 8 x 2048, unrolled, bf16 weights and moments as gpu_tables.sh),
-#           tokens/s in bf16, e4m3-current, e4m3-delayed; the e4m3 runs with --profile_steps=3,
+#           tokens/s for each of $SPEED (bf16, e4m3-current, e4m3-delayed, and e4m3-delayed-xlanorm:
+#           the RMSNorms in XLA, whose fusions can take in the quantize that a Pallas norm's output
+#           needs a pass of its own for); the e4m3 runs with --profile_steps=3,
 #           their kernel-time breakdown in $OUT/profile-<label>.txt. Before the 1B runs, fp8_check
 #           with each scaling (every block linear a cuBLASLt fp8 GEMM; the quantize fusions).
 #   curves: the pretrain flagfile for $STEPS (500) steps on the quickstart corpus, the same data
@@ -13,15 +15,17 @@
 source benchmarks/gpu_env.sh
 STEPS=${STEPS:-500}
 read -r -a CURVES <<< "${CURVES:-bf16 e4m3-current e4m3-delayed}"
+read -r -a SPEED <<< "${SPEED:-bf16 e4m3-current e4m3-delayed e4m3-delayed-xlanorm}"
 SECTIONS="${*:-speed curves}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 GPUS=$(nvidia-smi -L | wc -l)
 BF16=(--noscan_layers --model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16
       --measure_matmul_ceiling=false --bench_steps=15 --json)
 
-variant() {  # bf16 | e4m3-current | e4m3-delayed: its flags
+variant() {  # bf16 | e4m3-current | e4m3-delayed | e4m3-<scaling>-xlanorm: its flags
   case $1 in
     bf16) echo "--matmul_dtype=bfloat16" ;;
+    e4m3-*-xlanorm) local s=${1#e4m3-}; echo "--matmul_dtype=e4m3 --fp8_scaling=${s%-xlanorm} --kernels=rms_norm=xla" ;;
     e4m3-*) echo "--matmul_dtype=e4m3 --fp8_scaling=${1#e4m3-}" ;;
   esac
 }
@@ -44,7 +48,7 @@ speed_model() {  # gpu, model
         >"$OUT/fp8_check-$s.txt" 2>"$OUT/err-fp8check-$s.txt"
     done
   fi
-  for v in bf16 e4m3-current e4m3-delayed; do
+  for v in "${SPEED[@]}"; do
     label=$m-$v
     local prof=()
     [[ $v == e4m3-* ]] && prof=(--profile_steps=3)
