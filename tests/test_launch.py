@@ -1,5 +1,6 @@
-"""Multi-process on CPU: launch/local.sh with 2 processes x 2 devices trains like 1 x 4, and
-its checkpoint resumes in one process."""
+"""Multi-process on CPU: launch/local.sh with 2 processes x 2 devices, its master weights and
+moments offloaded to host memory, trains like 1 x 4 without offload, and its checkpoint resumes
+in one process."""
 
 import json
 import os
@@ -55,6 +56,7 @@ def test_two_processes_match_one_and_resume_in_one(tmp_path):
             *_flags(str(tmp_path), f"{tmp_path}/two", 6),
             *ckpt,
             "--steps=4",
+            *("--offload_master", "--offload_opt_m", "--offload_opt_v"),
         ],
         env={**env, "JAXLLMQ_CPU_DEVICES": "2", "PYTHON": sys.executable},
         capture_output=True,
