@@ -91,14 +91,20 @@ def test_each_switch_trains_bit_for_bit_from_host_memory(reference, offloaded, o
     assert {x.dtype.name for x in jax.tree.leaves(weights["layers"])} == {want}
 
 
-def test_zero_3_on_8_devices_with_every_offload():
+@pytest.mark.parametrize("zero_level", [1, 2, 3])
+def test_every_zero_level_on_8_devices_with_every_offload(zero_level):
     # Compute in fp32: on CPU a remat policy changes how XLA fuses bf16 arithmetic (rounding
     # differs with and without it), offload or not; in fp32 the residual's offload is exact too.
     kw = dict(matmul_dtype="float32")
-    losses, _ = _train(_build(8, 3, recompute=Recompute(swiglu=True), **kw))
-    built = _build(8, 3, recompute=Recompute(swiglu=True, offload_residual=True), offload=ALL, **kw)
+    losses, _ = _train(_build(8, zero_level, recompute=Recompute(swiglu=True), **kw))
+    built = _build(
+        8, zero_level, recompute=Recompute(swiglu=True, offload_residual=True), offload=ALL, **kw
+    )
     q = built.state.params["layers"]["q_proj"]
-    assert q.sharding.spec[1] == "fsdp" and q.sharding.memory_kind == HOST
+    assert q.sharding.memory_kind == HOST
+    assert (q.sharding.spec[1] == "fsdp") == (zero_level == 3)  # ZeRO-3 shards the master
+    mu = _moments(built.state.opt_state)[0]["layers"]["q_proj"]
+    assert mu.sharding.memory_kind == HOST and "fsdp" in mu.sharding.spec  # sharded at any level
     jaxpr = str(jax.make_jaxpr(built.train_step)(built.state, BATCH))
     assert "MemorySpace.Host" in jaxpr  # the residual's offload, which CPU lowers to nothing
     assert _train(built)[0] == losses
