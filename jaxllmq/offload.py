@@ -2,14 +2,18 @@
 
 --offload_master, --offload_opt_m and --offload_opt_v give those parts of the train state the
 memory kind `pinned_host` in their shardings (llmq keeps them in pinned host memory too). Inside
-the jitted step they are streamed to the device and back one layer at a time (a lax.map over the
+the jitted step they are streamed to the device and back one layer at a time (a loop over the
 stacked [L, ...] axis), so the device never holds the whole fp32 master or moments:
 
 - before the forward pass, `compute_params` streams the master into a device copy in the compute
-  dtype (bf16), the weights the forward and backward passes use;
+  dtype (bf16), the weights the forward and backward passes use (a lax.map);
 - after the backward pass, `update` applies the optimizer layer by layer: each layer's master and
-  moments come to the device, are updated there, and go back to host memory. The non-layer
-  parameters (embedding, final norm, LM head) are one more piece.
+  moments come to the device, are updated there, and go back into their slot of the host arrays
+  (a fori_loop carrying them, so they are updated in place). The non-layer parameters
+  (embedding, final norm, LM head) are one more piece.
+
+On the H200 the step is bound by the host link: the host-to-device and device-to-host copies run
+one after the other, not at once (docs/PERFORMANCE.md, "Host offload").
 
 The arithmetic is the on-device step's, element for element, so losses match bit for bit. On CPU
 (jax 0.10) `pinned_host` exists and the jitted step's arguments carry it, but a device_put inside
