@@ -6,7 +6,7 @@ here because it was measured (docs/PERFORMANCE.md); set the flag in XLA_FLAGS to
 Also the GPU client's pinned host memory pool (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, 64 GB unless
 set): host offload (jaxllmq/offload.py) keeps the fp32 master and Adam moments there, 12 bytes a
 parameter, 96 GB for an 8B model. The default here is 3/4 of the machine's memory, split
-between the process's GPUs.
+between the host's GPUs.
 """
 
 import glob
@@ -34,10 +34,12 @@ HOST_MEMORY_LIMIT = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 
 def host_memory_limit_gb() -> int:
     """The pinned host memory pool jaxllmq asks for, per GPU (each GPU has its own): 3/4 of
-    physical memory shared by this process's GPUs, in GB."""
+    physical memory shared by the host's GPUs, in GB. Every GPU of the host counts, not only this
+    process's: with one process per GPU, each process sees one GPU but shares the memory."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = len(visible.split(",")) if visible else len(glob.glob("/dev/nvidia[0-9]*"))
+    gpus = len(glob.glob("/dev/nvidia[0-9]*"))
+    if not gpus and os.environ.get("CUDA_VISIBLE_DEVICES"):
+        gpus = len(os.environ["CUDA_VISIBLE_DEVICES"].split(","))
     return int(0.75 * total / 1e9 / max(gpus, 1))
 
 
