@@ -34,10 +34,9 @@ import jax
 from absl import app, flags
 
 from jaxllmq import config
-from jaxllmq.bench import build_synthetic
+from jaxllmq.bench import build_from_flags
 from jaxllmq.checkpoint import Checkpointing
 from jaxllmq.model.config import load_model_config
-from jaxllmq.parallel.mesh import make_mesh
 
 _normal_steps = flags.DEFINE_integer("normal_steps", 10, "Timed steps without a save.")
 _saves = flags.DEFINE_integer("saves", 2, "Checkpoints to time (one after another).")
@@ -65,20 +64,8 @@ def main(argv: list[str]) -> None:
     spec = config.model_spec_from_flags()
     model_cfg = load_model_config(spec.model)
     mesh_cfg = config.mesh_from_flags()
-    mesh = make_mesh(mesh_cfg.gpus, tensor_parallel=mesh_cfg.tensor_parallel)
     t0 = time.perf_counter()
-    built, batch = build_synthetic(
-        model_cfg,
-        spec,
-        config.optim_from_flags(),
-        mesh,
-        batch_size=F.batch_size,
-        seq_len=F.seq_len,
-        grad_accumulation=F.grad_accumulation,
-        zero_level=mesh_cfg.zero_level,
-        kernels=F.kernels,
-        lmhead_chunks=F.lmhead_chunks,
-    )
+    built, batch, mesh = build_from_flags(model_cfg, spec, mesh_cfg)
     step, state = built.train_step, built.state
     for _ in range(3):  # compile and warm up
         state, _ = _timed(step, state, batch)

@@ -33,9 +33,8 @@ import jax
 from absl import app, flags
 
 from jaxllmq import config
-from jaxllmq.bench import build_synthetic, start_from_flags
+from jaxllmq.bench import build_from_flags, start_from_flags
 from jaxllmq.model.config import ModelConfig
-from jaxllmq.parallel.mesh import make_mesh
 
 _hlo_dir = flags.DEFINE_string("hlo_dir", None, "Write the lowered and optimized HLO text here.")
 _allow_triton = flags.DEFINE_bool(
@@ -139,19 +138,7 @@ def main(argv: list[str]) -> None:
     if spec.linear_dtype is None:
         sys.exit("error: give --matmul_dtype=e4m3 (this checks the fp8 path)")
     F = flags.FLAGS
-    mesh = make_mesh(mesh_cfg.gpus, tensor_parallel=mesh_cfg.tensor_parallel)
-    built, batch = build_synthetic(
-        model_cfg,
-        spec,
-        config.optim_from_flags(),
-        mesh,
-        batch_size=F.batch_size,
-        seq_len=F.seq_len,
-        grad_accumulation=F.grad_accumulation,
-        zero_level=mesh_cfg.zero_level,
-        kernels=F.kernels,
-        lmhead_chunks=F.lmhead_chunks,
-    )
+    built, batch, _ = build_from_flags(model_cfg, spec, mesh_cfg)
     lowered = built.train_step.lower(built.state, batch)
     stablehlo = lowered.as_text()
     bodies = 1 if spec.scan_layers else model_cfg.num_hidden_layers

@@ -109,6 +109,28 @@ def build_synthetic(
     return built, to_global_arrays(local, built.batch_sharding)
 
 
+def build_from_flags(
+    model_cfg: ModelConfig, spec: config.ModelSpec, mesh_cfg: config.MeshConfig
+) -> tuple[train.Compiled, dict, jax.sharding.Mesh]:
+    """build_synthetic on the flags' mesh with their optimizer, batch shape, ZeRO level, kernels
+    and LM-head chunks (for the benchmark tools that take the trainer's flags); and the mesh."""
+    F = flags.FLAGS
+    mesh = make_mesh(mesh_cfg.gpus, tensor_parallel=mesh_cfg.tensor_parallel)
+    built, batch = build_synthetic(
+        model_cfg,
+        spec,
+        config.optim_from_flags(),
+        mesh,
+        batch_size=F.batch_size,
+        seq_len=F.seq_len,
+        grad_accumulation=F.grad_accumulation,
+        zero_level=mesh_cfg.zero_level,
+        kernels=F.kernels,
+        lmhead_chunks=F.lmhead_chunks,
+    )
+    return built, batch, mesh
+
+
 def start_from_flags(argv: list[str]) -> tuple[config.ModelSpec, ModelConfig, config.MeshConfig]:
     """The benchmark tools' common start: check the command line, set the trainer's XLA flags,
     join the other processes, and read the model and mesh flags."""
