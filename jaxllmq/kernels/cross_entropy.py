@@ -3,9 +3,9 @@
 Three ways to compute the same function:
 - lm_head_loss_reference: XLA autodiff, holds the fp32 [N, V] logits (8 GB at 16k tokens x
   128k vocab) and their gradient, and runs the backward matmuls in fp32. The referee only.
-- "xla": a scan over token chunks (chunks=1: one) under a custom_vjp. The forward computes each chunk's
-  logits, loss terms *and* its gradients at once (the loss is a scalar, so its cotangent only
-  scales them), keeping d/dh [N, D] and d/dw [D, V] in fp32; the backward multiplies by the
+- "xla": a scan over token chunks (chunks=1: one) under a custom_vjp. The forward computes each
+  chunk's logits, loss terms *and* its gradients at once (the loss is a scalar, so its cotangent
+  only scales them), keeping d/dh [N, D] and d/dw [D, V] in fp32; the backward multiplies by the
   cotangent. Three matmuls as in the reference, all on cuBLAS, and only one chunk's logits live.
 - "pallas": the same scan, with each chunk's logits never written: a fused Pallas kernel
   (lm_head_pallas) reduces logit tiles to logsumexp pieces in registers and writes the tile-local
@@ -192,8 +192,9 @@ def lm_head_loss(
 
     impl "xla" scans over `chunks` token chunks and never holds more than one chunk's logits
     (chunks=1: all of them at once); its backward matmuls run in the compute dtype, where the
-    reference's autodiff runs them in fp32 (TF32 on GPU: 65 of 280 ms of a 1B step on an H200). impl "pallas" never writes logits; its gradient
-    uses max(chunks, N / pallas_config.chunk_tokens) chunks. The gradient flows to h and w only.
+    reference's autodiff runs them in fp32 (TF32 on GPU: 65 of 280 ms of a 1B step on an H200).
+    impl "pallas" never writes logits; its gradient uses max(chunks, N / pallas_config.chunk_tokens)
+    chunks. The gradient flows to h and w only.
     """
     if impl not in ("xla", "pallas"):
         raise ValueError(f"lm_head_loss: unknown impl {impl!r} (expected 'xla' or 'pallas')")
