@@ -134,12 +134,7 @@ def make_train_step(
         def accumulate(carry, micro):
             grads, stats, amax = carry
             (_, aux), (g, micro_amax) = grad_fn(
-                weights,
-                reference,
-                graphdef,
-                micro,
-                loss=loss,
-                z_loss=z_loss,
+                weights, reference, graphdef, micro, loss=loss, z_loss=z_loss
             )
             amax = jax.tree.map(jnp.maximum, amax, micro_amax)  # the step's: max, not sum
             # Accumulate in fp32: summing bf16 micro-batch grads loses their small components.
@@ -195,13 +190,7 @@ def make_eval_step(
     def eval_step(params: dict, batch: Batch) -> tuple[jax.Array, jax.Array]:
         micro = jax.tree.map(lambda x: x[0], batch)
         weights = params if streams is None else streams.compute_params(params)
-        _, aux = _micro_loss(
-            weights,
-            graphdef,
-            micro,
-            loss=loss,
-            z_loss=0.0,
-        )
+        _, aux = _micro_loss(weights, graphdef, micro, loss=loss, z_loss=0.0)
         return aux["ce_sum"], jnp.sum(micro["loss_mask"], dtype=jnp.int32)
 
     return eval_step
@@ -365,11 +354,7 @@ def build(
         donate_argnums=0,
     )
     eval_step = jax.jit(
-        make_eval_step(
-            graphdef,
-            loss=loss,
-            streams=streams,
-        ),
+        make_eval_step(graphdef, loss=loss, streams=streams),
         in_shardings=(param_shardings, data_sharding),
         out_shardings=rep,
     )
