@@ -11,6 +11,7 @@ from jaxllmq import config, trainer, xla_flags
 from jaxllmq.checkpoint import CheckpointError
 from jaxllmq.data.shards import ShardError
 from jaxllmq.model import CheckpointFormatError, ModelConfigError
+from jaxllmq.offload import OffloadError
 from jaxllmq.optim import NonFiniteError
 from jaxllmq.parallel.mesh import initialize_distributed
 
@@ -25,6 +26,7 @@ def main(argv: list[str]) -> None:
         ModelConfigError,
         CheckpointFormatError,
         CheckpointError,
+        OffloadError,
     )
     try:
         cfg = config.from_flags()  # every config dataclass validates itself: ValueError

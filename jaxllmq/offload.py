@@ -50,12 +50,16 @@ class Offload:
         return [f"--offload_{f.name}" for f in dataclasses.fields(self) if getattr(self, f.name)]
 
 
+class OffloadError(ValueError):
+    """Offload asked for on a device that cannot hold host-memory arrays (one line)."""
+
+
 def check_supported(mesh: jax.sharding.Mesh, offload: Offload) -> None:
     """Refuse offload on a device without pinned host memory, naming the flags."""
     device = mesh.devices.flat[0]
     kinds = {m.kind for m in device.addressable_memories()}
     if offload.any and HOST not in kinds:
-        raise ValueError(
+        raise OffloadError(
             f"{', '.join(offload.flags())}: {device.platform} device {device} has no "
             f"{HOST} memory (it has {', '.join(sorted(kinds))})"
         )

@@ -17,7 +17,7 @@ from jaxllmq.bench import synthetic_batch
 from jaxllmq.config import CheckpointConfig, ModelSpec
 from jaxllmq.model.config import preset
 from jaxllmq.model.recompute import Recompute
-from jaxllmq.offload import HOST, Offload
+from jaxllmq.offload import HOST, Offload, OffloadError, check_supported
 from jaxllmq.optim import OptimConfig
 from jaxllmq.parallel.mesh import make_mesh
 
@@ -124,3 +124,17 @@ def test_checkpoint_round_trip_of_host_resident_state(reference, offloaded, tmp_
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert _train(built, steps=1, state=restored)[0] == reference[1:]
+
+
+def test_a_device_without_host_memory_is_refused_naming_the_flags():
+    # main.py turns OffloadError into one "error:" line; a GPU or CPU here has pinned_host.
+    memory = lambda kind: type("Memory", (), {"kind": kind})()
+    device = type(
+        "Device", (), {"platform": "xpu", "addressable_memories": lambda self: [memory("device")]}
+    )()
+    mesh = type("Mesh", (), {"devices": np.array([device])})()
+    check_supported(mesh, Offload())  # nothing asked for: nothing refused
+    with pytest.raises(
+        OffloadError, match="--offload_master, --offload_opt_v: xpu device .* has no pinned_host"
+    ):
+        check_supported(mesh, Offload(master=True, opt_v=True))
