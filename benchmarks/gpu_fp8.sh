@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 9: bf16 vs e4m3 with current vs delayed fp8 scaling (--fp8_scaling), on an H200 machine.
-#   speed:  per model (1B, 3B; 8 x 2048, unrolled, bf16 weights and moments as gpu_tables.sh),
+#   speed:  per model of $MODELS (1B, 3B; 8 x 2048, unrolled, bf16 weights and moments as gpu_tables.sh),
 #           tokens/s for each of $SPEED (bf16, e4m3-current, e4m3-delayed, and e4m3-delayed-xlanorm:
 #           the RMSNorms in XLA, whose fusions can take in the quantize that a Pallas norm's output
 #           needs a pass of its own for); the e4m3 runs with --profile_steps=3,
@@ -16,6 +16,7 @@ source benchmarks/gpu_env.sh
 STEPS=${STEPS:-500}
 read -r -a CURVES <<< "${CURVES:-bf16 e4m3-current e4m3-delayed}"
 read -r -a SPEED <<< "${SPEED:-bf16 e4m3-current e4m3-delayed e4m3-delayed-xlanorm}"
+read -r -a MODELS <<< "${MODELS:-llama-3.2-1b llama-3.2-3b}"
 SECTIONS="${*:-speed curves}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 GPUS=$(nvidia-smi -L | wc -l)
@@ -73,8 +74,8 @@ curve() {  # gpu, variant
 }
 
 if want speed; then
-  echo "== speed: bf16 vs e4m3 current vs delayed, 1B and 3B, 8 x 2048 ($GPUS GPUs)"
-  queues speed_model llama-3.2-1b llama-3.2-3b
+  echo "== speed: ${SPEED[*]}; ${MODELS[*]}; 8 x 2048 ($GPUS GPUs)"
+  queues speed_model "${MODELS[@]}"
   for s in current delayed; do echo "-- fp8_check --fp8_scaling=$s"; tail -14 "$OUT/fp8_check-$s.txt"; done
   python3 - "$OUT/fp8_speed.jsonl" <<'PY'
 import json, sys
