@@ -23,10 +23,12 @@ GPUS=$(nvidia-smi -L | wc -l)
 BF16=(--noscan_layers --model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16
       --measure_matmul_ceiling=false --bench_steps=15 --json)
 
-variant() {  # bf16 | e4m3-current | e4m3-delayed | e4m3-<scaling>-xlanorm: its flags
+variant() {  # bf16 | e4m3-<current|delayed>[-xlanorm|-pallasq]: its flags
+  # -xlanorm: RMSNorms in XLA; -pallasq: fp8 quantize by the Pallas pass (kernels/fp8_quantize.py)
   case $1 in
     bf16) echo "--matmul_dtype=bfloat16" ;;
     e4m3-*-xlanorm) local s=${1#e4m3-}; echo "--matmul_dtype=e4m3 --fp8_scaling=${s%-xlanorm} --kernels=rms_norm=xla" ;;
+    e4m3-*-pallasq) local s=${1#e4m3-}; echo "--matmul_dtype=e4m3 --fp8_scaling=${s%-pallasq} --kernels=fp8_quantize=pallas" ;;
     e4m3-*) echo "--matmul_dtype=e4m3 --fp8_scaling=${1#e4m3-}" ;;
   esac
 }
@@ -41,7 +43,8 @@ queues() {  # fn, items...: `fn GPU ITEM` for each item, GPU g taking items g, g
 }
 
 speed_model() {  # gpu, model
-  local gpu=$1 m=$2 v label
+  local gpu=$1 m=$2 v label batch=8
+  [[ $m == llama-3.1-8b ]] && batch=4  # as the 8B rows of docs/PERFORMANCE.md (fits e4m3, bf16)
   if [[ $m == llama-3.2-1b ]]; then
     for s in current delayed; do
       CUDA_VISIBLE_DEVICES=$gpu timeout 240 python3 benchmarks/fp8_check.py --model=$m \
@@ -54,7 +57,7 @@ speed_model() {  # gpu, model
     local prof=()
     [[ $v == e4m3-* ]] && prof=(--profile_steps=3)
     # shellcheck disable=SC2046
-    CUDA_VISIBLE_DEVICES=$gpu timeout 240 python3 -m jaxllmq.bench --model=$m --batch_size=8 \
+    CUDA_VISIBLE_DEVICES=$gpu timeout 240 python3 -m jaxllmq.bench --model=$m --batch_size=$batch \
       --seq_len=2048 $(variant $v) "${prof[@]}" "${BF16[@]}" 2>"$OUT/err-$label.txt" | grep '^{' | \
       tail -1 | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); r["label"]=sys.argv[1]; print(json.dumps(r))' \
       "$label" >> "$OUT/fp8_speed.jsonl" || tail -3 "$OUT/err-$label.txt"

@@ -1,4 +1,4 @@
-"""Check and time the kernels on a GPU: Pallas vs XLA, RMSNorm and the LM-head loss.
+"""Check and time the kernels on a GPU: Pallas vs XLA, RMSNorm, the LM-head loss, fp8 quantize.
 
     export PYTHONPATH=$PWD; PYTHONUNBUFFERED=1 python3 benchmarks/kernels.py --out $OUT
 
@@ -6,6 +6,7 @@ Checks each kernel in bf16 against an fp32 computation of its reference (relativ
 times forward+backward (median of batches of back-to-back calls after warm-up) and reads the
 compiled program's temporary memory. Prints a table last; --out gets the rows as JSON lines.
 Runs on CPU too (tiny shapes, interpret mode) with --smoke, to check the script itself.
+--sections picks some of copy, rms, lm, fp8 (default all).
 """
 
 import argparse
@@ -22,6 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllmq.kernels.cross_entropy import lm_head_loss, lm_head_loss_reference
+from jaxllmq.kernels.fp8_quantize import (
+    Fp8QuantizeConfig,
+    quantize_both_pallas,
+    quantize_both_reference,
+)
 from jaxllmq.kernels.lm_head_pallas import LmHeadPallasConfig, lm_head_tiles
 from jaxllmq.kernels.rms_norm import (
     RmsNormConfig,
@@ -299,6 +305,32 @@ def lm_time(n, d, v, cfg):
         section(f"lm_time {name} fwd", run, name, lm_fwd(impl, chunks, c), "fwd")
 
 
+# ---- fp8 quantize into both layouts ----------------------------------------------------------
+
+
+def fp8_time(n, d):
+    """x [n, d] bf16 -> fp8 q and q^T: the bytes must equal the reference's; then timed."""
+    x = (4 * jax.random.normal(jax.random.key(3), (n, d))).astype(jnp.bfloat16)
+    scale, dtype = jnp.float32(2.0**-6), jnp.float8_e4m3fn
+    nbytes = 4 * n * d  # read bf16 once, write two fp8 copies
+    ref, *_ = compile_(lambda x, s: quantize_both_reference(x, dtype, s), (x, scale))
+    want = [np.asarray(a).view(np.uint8) for a in ref(x, scale)]
+
+    def run(name, fn, **extra):
+        got = [np.asarray(a).view(np.uint8) for a in fn(x, scale)]
+        same = all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+        med, best = timed(fn, (x, scale), iters=ARGS.iters_small, batch=20)
+        log(section="fp8_time", shape=[n, d], variant=name, same_bytes=same, us=med * 1e6,
+            tb_s=nbytes / med / 1e12, **extra)  # fmt: skip
+
+    run("xla", ref)
+    for bm, bn, nw in ARGS.fp8_configs:
+        cfg = Fp8QuantizeConfig(block_rows=bm, block_cols=bn, num_warps=nw,
+                                interpret=ARGS.smoke)  # fmt: skip
+        c, *_ = compile_(lambda x, s, cfg=cfg: quantize_both_pallas(x, dtype, s, cfg), (x, scale))
+        run("pallas", c, config=[bm, bn, nw])
+
+
 # ---- main ----------------------------------------------------------------------------------
 
 
@@ -316,6 +348,12 @@ def table() -> str:
             cfgs = f" br={r['block_rows']} nw={r['num_warps']}" if "block_rows" in r else ""
             name = r["variant"] + cfgs
             lines.append(f"{str(r['shape']):<16}{name:<28}{r['us']:>9.1f}{r['tb_s']:>7.2f}")
+    lines.append(f"{'fp8 quantize [N, D]':<20}{'variant':<22}{'same':>5}{'us':>9}{'TB/s':>7}")
+    for r in ROWS:
+        if r.get("section") == "fp8_time":
+            name = r["variant"] + (f" {r['config']}" if "config" in r else "")
+            lines.append(f"{str(r['shape']):<20}{name:<22}{r['same_bytes']!s:>5}{r['us']:>9.1f}"
+                         f"{r['tb_s']:>7.2f}")  # fmt: skip
     lines.append(f"{'lm sweep':<24}{'config':<26}{'ms':>8}{'TF/s':>7}")
     for r in ROWS:
         if r.get("section") == "lm_sweep" and "ms" in r:
@@ -338,18 +376,23 @@ def main() -> None:
     dev = jax.devices()[0]
     log(section="env", jax=jax.__version__, device=dev.device_kind, platform=dev.platform,
         date=time.strftime("%Y-%m-%d %H:%M:%S %Z"))  # fmt: skip
-    section("copy", copy_bandwidth)
-    for n, d in ARGS.rms_shapes:
+    want = ARGS.sections.split(",")
+    if "copy" in want:
+        section("copy", copy_bandwidth)
+    if "fp8" in want:
+        for n, d in ARGS.fp8_shapes:
+            section(f"fp8_time {d}", fp8_time, n, d)
+    for n, d in ARGS.rms_shapes if "rms" in want else ():
         section(f"rms_check {d}", rms_check, n, d)
-    for _, d, v in ARGS.lm_shapes:
+    for _, d, v in ARGS.lm_shapes if "lm" in want else ():
         section(f"lm_check {d}x{v}", lm_check, ARGS.lm_check_tokens, d, v, ARGS.lm_default)
-    for n, d, v in ARGS.lm_shapes:
+    for n, d, v in ARGS.lm_shapes if "lm" in want else ():
         chosen = []
         section(f"lm_sweep {d}x{v}", lambda d=d, v=v, out=chosen: out.append(lm_sweep(d, v)))
         cfg = (chosen and chosen[0]) or ARGS.lm_default
         log(section="lm_chosen", shape=[n, d, v], config=dataclasses.asdict(cfg))
         lm_time(n, d, v, cfg)
-    for n, d in ARGS.rms_shapes:
+    for n, d in ARGS.rms_shapes if "rms" in want else ():
         section(f"rms_time {d}", rms_time, n, d)
     print(table(), flush=True)
     if ARGS.out:
@@ -365,8 +408,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--out", default="")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, for CPU")
     p.add_argument("--budget_s", type=float, default=330.0)
+    p.add_argument("--sections", default="copy,rms,lm,fp8")
     a = p.parse_args()
+    # fp8 quantize tiles: (rows, cols, warps)
+    a.fp8_configs = [(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (32, 128, 4)]
     if a.smoke:
+        a.fp8_shapes = [(96, 64)]
+        a.fp8_configs = [(32, 32, 4)]
         a.copy_elems = 1 << 16
         a.rms_shapes = [(40, 96)]
         a.rms_block_rows = [2]
@@ -377,6 +425,11 @@ def parse() -> argparse.Namespace:
         a.lm_default = LmHeadPallasConfig(block_m=16, block_v=64, block_k=16, chunk_tokens=32)
         a.iters_small = a.iters_big = 2
     else:
+        a.fp8_shapes = [
+            (16384, 3072),
+            (16384, 8192),
+            (16384, 16384),
+        ]  # 3B: x, down's x, gate|up's g
         a.copy_elems = 1 << 30
         a.rms_shapes = [(16384, 2048), (16384, 896)]
         a.rms_block_rows = [1, 2, 4]

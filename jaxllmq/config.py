@@ -96,8 +96,9 @@ _attention = flags.DEFINE_enum(
 _kernels = flags.DEFINE_string(
     "kernels",
     "auto",
-    "Fused Pallas kernels (rms_norm, lm_head_loss) or XLA: auto|pallas|xla for both, or per "
-    "kernel, e.g. rms_norm=pallas,lm_head_loss=xla; auto = what measured faster on one GPU.",
+    "Fused Pallas kernels (rms_norm, lm_head_loss, fp8_quantize) or XLA: auto|pallas|xla for "
+    "all, or per kernel, e.g. rms_norm=pallas,lm_head_loss=xla; auto = what measured faster on "
+    "one GPU.",
 )
 _lmhead_chunks = flags.DEFINE_integer(
     "lmhead_chunks",

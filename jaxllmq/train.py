@@ -263,6 +263,7 @@ def build(
     tables = rules.plan(zero_level)
     norm_impl = resolve_impl(kernels, "rms_norm", num_devices=mesh.size)
     loss_impl = resolve_impl(kernels, "lm_head_loss", num_devices=mesh.size)
+    fp8_quantize_impl = resolve_impl(kernels, "fp8_quantize", num_devices=mesh.size)
     # A Pallas call has no partitioning rule: on several devices it runs per device's tokens.
     loss = LmHeadLoss(
         loss_impl, lmhead_chunks, mesh if loss_impl == "pallas" and mesh.size > 1 else None
@@ -276,6 +277,7 @@ def build(
         recompute=spec.recompute,
         linear_dtype=spec.linear_dtype,
         gradient_dtype=spec.gradient_dtype,
+        fp8_quantize_impl=fp8_quantize_impl,
     )
     _, abstract, axes = abstract_model(model_cfg, **model_kwargs)
     # A layer's weights are used with their tensor-parallel sharding only (gathered over fsdp).

@@ -33,6 +33,12 @@ rounding); the scale multiply afterwards is exact (a power of two) and fuses int
 Precision DEFAULT lets XLA turn on cuBLASLt's fast fp8 accumulation for the forward GEMM;
 HIGHEST keeps full fp32 accumulation for dgrad and wgrad (openxla/xla#6599; what Transformer
 Engine does too). benchmarks/fp8_check.py counts the custom calls in the compiled 1B step.
+
+Layouts: cuBLASLt's fp8 GEMM wants both operands' contracted dimension contiguous, so the weight
+gradient x^T g needs x and g token-major, while the forward GEMM and dgrad read them row-major.
+x and g are therefore quantized into both layouts at once (kernels/fp8_quantize.py: one Pallas
+pass on one GPU, 1.5x faster than XLA's separate quantize and transpose; the reference in XLA
+elsewhere), and x's token-major copy is what the backward keeps.
 """
 
 import functools
@@ -41,6 +47,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jaxllmq.kernels.fp8_quantize import quantize, quantize_both
 
 FP8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 
@@ -73,13 +81,6 @@ def scale_for(amax: jax.Array, dtype) -> jax.Array:
     return jnp.where((amax > 0) & jnp.isfinite(amax), scale, jnp.float32(1.0))
 
 
-def quantize(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
-    """x / scale in fp8, saturating: values past the format's max clip to it (e4m3fn has no inf;
-    a plain cast would make them NaN)."""
-    fmax = float(jnp.finfo(dtype).max)
-    return jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(dtype)
-
-
 def gemm(a, b, contract, scale, out_dtype, precision) -> jax.Array:
     """fp8 a x b contracted over `contract`, fp32 accumulation, times scale, in out_dtype."""
     out = lax.dot_general(
@@ -88,46 +89,53 @@ def gemm(a, b, contract, scale, out_dtype, precision) -> jax.Array:
     return out * scale.astype(out_dtype)
 
 
-def wgrad(qx_MxK, qg_MxN, scale, out_dtype) -> jax.Array:
-    """The weight gradient x^T g [K, N] of fp8 x and g, summed over the M rows in fp32."""
-    # On the H200 XLA lays the result out [N, K] either way round (operands swapped and .T
-    # measured no different, 2026-11-30), so the optimizer reads these gradients transposed.
-    return gemm(qx_MxK, qg_MxN, ((0,), (0,)), scale, out_dtype, lax.Precision.HIGHEST)
+def wgrad(qxt_KxM, qgt_NxM, scale, out_dtype) -> jax.Array:
+    """The weight gradient x^T g [K, N] from fp8 x^T and g^T (both token-major, the layout
+    cuBLASLt's fp8 GEMM takes), summed over the M rows in fp32."""
+    return gemm(qxt_KxM, qgt_NxM, ((1,), (1,)), scale, out_dtype, lax.Precision.HIGHEST)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _dense(x_MxK: jax.Array, w_KxN: jax.Array, dtype_name: str, grad_name: str) -> jax.Array:
-    return _dense_fwd(x_MxK, w_KxN, dtype_name, grad_name)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _dense(x_MxK: jax.Array, w_KxN: jax.Array, dtype_name: str, grad_name: str, impl: str):
+    return _dense_fwd(x_MxK, w_KxN, dtype_name, grad_name, impl)[0]
 
 
-def _dense_fwd(x_MxK, w_KxN, dtype_name, grad_name):
+def _dense_fwd(x_MxK, w_KxN, dtype_name, grad_name, impl):
     dtype = fp8_dtype(dtype_name)
     sx, sw = scale_of(x_MxK, dtype), scale_of(w_KxN, dtype)
-    qx_MxK, qw_KxN = quantize(x_MxK, dtype, sx), quantize(w_KxN, dtype, sw)
+    qx_MxK, qxt_KxM = quantize_both(x_MxK, dtype, sx, impl=impl)
+    qw_KxN = quantize(w_KxN, dtype, sw)
     y_MxN = gemm(qx_MxK, qw_KxN, ((1,), (0,)), sx * sw, x_MxK.dtype, lax.Precision.DEFAULT)
-    # Keep the fp8 copies for backward (half the bytes of bf16); w's dtype rides along as an
-    # empty array so its gradient can be returned in it.
-    return y_MxN, (qx_MxK, sx, qw_KxN, sw, jnp.zeros((0,), w_KxN.dtype))
+    # Keep x's token-major fp8 copy for the weight gradient (half the bytes of bf16); w's dtype
+    # rides along as an empty array so its gradient can be returned in it.
+    return y_MxN, (qxt_KxM, sx, qw_KxN, sw, jnp.zeros((0,), w_KxN.dtype))
 
 
-def _dense_bwd(dtype_name, grad_name, res, g_MxN):
-    qx_MxK, sx, qw_KxN, sw, w_dtype = res
+def _dense_bwd(dtype_name, grad_name, impl, res, g_MxN):
+    qxt_KxM, sx, qw_KxN, sw, w_dtype = res
     gdtype = fp8_dtype(grad_name)
     sg = scale_of(g_MxN, gdtype)
-    qg_MxN = quantize(g_MxN, gdtype, sg)
+    qg_MxN, qgt_NxM = quantize_both(g_MxN, gdtype, sg, impl=impl)
     high = lax.Precision.HIGHEST  # no fast accumulation for gradients
     dx_MxK = gemm(qg_MxN, qw_KxN, ((1,), (1,)), sg * sw, g_MxN.dtype, high)
-    dw_KxN = wgrad(qx_MxK, qg_MxN, sx * sg, w_dtype.dtype)
+    dw_KxN = wgrad(qxt_KxM, qgt_NxM, sx * sg, w_dtype.dtype)
     return dx_MxK, dw_KxN
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
 
 
-def dense(x: jax.Array, w_KxN: jax.Array, dtype: str = "e4m3", grad_dtype: str = "e4m3"):
-    """x [..., K] @ w [K, N] with fp8 GEMMs (forward in `dtype`, gradients in `grad_dtype`)."""
+def dense(
+    x: jax.Array,
+    w_KxN: jax.Array,
+    dtype: str = "e4m3",
+    grad_dtype: str = "e4m3",
+    quantize_impl: str = "xla",
+) -> jax.Array:
+    """x [..., K] @ w [K, N] with fp8 GEMMs (forward in `dtype`, gradients in `grad_dtype`);
+    x and the output gradient quantized by kernels.fp8_quantize's `quantize_impl`."""
     *lead, K = x.shape
-    y_MxN = _dense(x.reshape(-1, K), w_KxN, dtype, grad_dtype)
+    y_MxN = _dense(x.reshape(-1, K), w_KxN, dtype, grad_dtype, quantize_impl)
     return y_MxN.reshape(*lead, w_KxN.shape[1])
 
 
@@ -137,7 +145,7 @@ def matmul(x: jax.Array, w: jax.Array, name: str = "") -> jax.Array:
 
 
 def linear_fn(
-    linear_dtype: str | None, gradient_dtype: str | None = None
+    linear_dtype: str | None, gradient_dtype: str | None = None, quantize_impl: str = "xla"
 ) -> Callable[..., jax.Array]:
     """The block linears' `linear(x, w, name)`: `x @ w` in the compute dtype (None), or fp8
     `dense` with current scaling."""
@@ -146,4 +154,4 @@ def linear_fn(
     fp8_dtype(linear_dtype)
     grad = gradient_dtype or linear_dtype
     fp8_dtype(grad)
-    return lambda x, w, name="": dense(x, w, linear_dtype, grad)
+    return lambda x, w, name="": dense(x, w, linear_dtype, grad, quantize_impl)

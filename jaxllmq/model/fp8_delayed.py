@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxllmq.model.fp8 import abs_max, fp8_dtype, gemm, quantize, scale_for, wgrad
+from jaxllmq.model.fp8 import abs_max, fp8_dtype, gemm, quantize, quantize_both, scale_for, wgrad
 
 # Each block linear's input, named by what produces it; the first linear named reports its amax.
 INPUTS = {
@@ -56,29 +56,30 @@ REPORTS_X = frozenset(next(n for n in INPUTS if INPUTS[n] == x) for x in set(INP
 MARGIN = 1
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _dense(x_MxK, w_KxN, ref_x, ref_w, ref_g, dtype_name, grad_name, report_x):
-    return _dense_fwd(x_MxK, w_KxN, ref_x, ref_w, ref_g, dtype_name, grad_name, report_x)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _dense(x_MxK, w_KxN, ref_x, ref_w, ref_g, dtype_name, grad_name, report_x, impl):
+    return _dense_fwd(x_MxK, w_KxN, ref_x, ref_w, ref_g, dtype_name, grad_name, report_x, impl)[0]
 
 
-def _dense_fwd(x_MxK, w_KxN, ref_x, ref_w, ref_g, dtype_name, grad_name, report_x):
+def _dense_fwd(x_MxK, w_KxN, ref_x, ref_w, ref_g, dtype_name, grad_name, report_x, impl):
     dtype, headroom = fp8_dtype(dtype_name), 2.0**MARGIN
     sx, sw = scale_for(ref_x * headroom, dtype), scale_for(ref_w * headroom, dtype)
     sg = scale_for(ref_g * headroom, fp8_dtype(grad_name))
-    qx_MxK, qw_KxN = quantize(x_MxK, dtype, sx), quantize(w_KxN, dtype, sw)
+    qx_MxK, qxt_KxM = quantize_both(x_MxK, dtype, sx, impl=impl)
+    qw_KxN = quantize(w_KxN, dtype, sw)
     y_MxN = gemm(qx_MxK, qw_KxN, ((1,), (0,)), sx * sw, x_MxK.dtype, lax.Precision.DEFAULT)
     amax_x = abs_max(x_MxK) if report_x else jnp.zeros((), jnp.float32)
     # As fp8.dense: fp8 copies for backward; w's dtype rides along as an empty array.
-    res = (qx_MxK, sx, qw_KxN, sw, sg, amax_x, abs_max(w_KxN), jnp.zeros((0,), w_KxN.dtype))
+    res = (qxt_KxM, sx, qw_KxN, sw, sg, amax_x, abs_max(w_KxN), jnp.zeros((0,), w_KxN.dtype))
     return y_MxN, res
 
 
-def _dense_bwd(dtype_name, grad_name, report_x, res, g_MxN):
-    qx_MxK, sx, qw_KxN, sw, sg, amax_x, amax_w, w_dtype = res
-    qg_MxN = quantize(g_MxN, fp8_dtype(grad_name), sg)
+def _dense_bwd(dtype_name, grad_name, report_x, impl, res, g_MxN):
+    qxt_KxM, sx, qw_KxN, sw, sg, amax_x, amax_w, w_dtype = res
+    qg_MxN, qgt_NxM = quantize_both(g_MxN, fp8_dtype(grad_name), sg, impl=impl)
     high = lax.Precision.HIGHEST  # no fast accumulation for gradients
     dx_MxK = gemm(qg_MxN, qw_KxN, ((1,), (1,)), sg * sw, g_MxN.dtype, high)
-    dw_KxN = wgrad(qx_MxK, qg_MxN, sx * sg, w_dtype.dtype)
+    dw_KxN = wgrad(qxt_KxM, qgt_NxM, sx * sg, w_dtype.dtype)
     # The references' "gradients": this step's amaxes (see the module docstring).
     return dx_MxK, dw_KxN, amax_x, amax_w, abs_max(g_MxN)
 
@@ -93,16 +94,17 @@ def dense(
     dtype: str = "e4m3",
     grad_dtype: str = "e4m3",
     report_x: bool = True,
+    quantize_impl: str = "xla",
 ) -> jax.Array:
     """x [..., K] @ w [K, N] in fp8, scaled from the reference amaxes (x, w, g); their gradients
-    are this call's amaxes (x's only with report_x)."""
+    are this call's amaxes (x's only with report_x). x and g quantized as in fp8.dense."""
     *lead, K = x.shape
-    y_MxN = _dense(x.reshape(-1, K), w_KxN, *ref, dtype, grad_dtype, report_x)
+    y_MxN = _dense(x.reshape(-1, K), w_KxN, *ref, dtype, grad_dtype, report_x, quantize_impl)
     return y_MxN.reshape(*lead, w_KxN.shape[1])
 
 
 def linear_fn(
-    linear_dtype: str, gradient_dtype: str | None, ref: dict
+    linear_dtype: str, gradient_dtype: str | None, ref: dict, quantize_impl: str = "xla"
 ) -> Callable[[jax.Array, jax.Array, str], jax.Array]:
     """One layer's `linear(x, w, name)` with delayed scaling; `ref` is `reference()` of a layer."""
     if linear_dtype is None:
@@ -111,7 +113,8 @@ def linear_fn(
 
     def linear(x: jax.Array, w: jax.Array, name: str) -> jax.Array:
         refs = (ref["x"][INPUTS[name]], ref["w"][name], ref["g"][name])
-        return dense(x, w, refs, linear_dtype, grad, report_x=name in REPORTS_X)
+        report_x = name in REPORTS_X
+        return dense(x, w, refs, linear_dtype, grad, report_x, quantize_impl)
 
     return linear
 

@@ -161,6 +161,7 @@ class Llama(nnx.Module):
         init_proj_to_zero: bool = False,
         linear_dtype: str | None = None,
         gradient_dtype: str | None = None,
+        fp8_quantize_impl: str = "xla",
     ):
         self.cfg = cfg
         self.dtype = dtype
@@ -168,6 +169,7 @@ class Llama(nnx.Module):
         # in `dtype`. The LM head and attention stay in `dtype`, as llmq does.
         self.linear_dtype = linear_dtype
         self.gradient_dtype = gradient_dtype
+        self.fp8_quantize_impl = fp8_quantize_impl  # kernels.fp8_quantize: "xla" or "pallas"
         fp8.linear_fn(linear_dtype, gradient_dtype)  # unknown names fail here, not in a trace
         self.scan_layers = scan_layers
         self.attention = resolve_attention(attention, dtype)
@@ -222,9 +224,13 @@ class Llama(nnx.Module):
 
         def layer(x, p, amax):
             if amax is None:
-                linear = fp8.linear_fn(self.linear_dtype, self.gradient_dtype)
+                linear = fp8.linear_fn(
+                    self.linear_dtype, self.gradient_dtype, self.fp8_quantize_impl
+                )
             else:
-                linear = fp8_delayed.linear_fn(self.linear_dtype, self.gradient_dtype, amax)
+                linear = fp8_delayed.linear_fn(
+                    self.linear_dtype, self.gradient_dtype, amax, self.fp8_quantize_impl
+                )
             x = decoder_layer(
                 self.gather_layer(p),
                 x,
