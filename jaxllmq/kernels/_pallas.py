@@ -78,3 +78,11 @@ def and_masks(*masks: jax.Array | None) -> jax.Array | None:
 
 def bcast(mask: jax.Array | None, shape: tuple[int, ...]) -> jax.Array | None:
     return None if mask is None else jnp.broadcast_to(mask, shape)
+
+
+def block_mask(row_ok, col_ok, shape: tuple[int, int]) -> jax.Array | None:
+    """[rows, cols] mask of a block from per-row and per-column masks (None: all in bounds)."""
+    mask = and_masks(
+        None if row_ok is None else row_ok[:, None], None if col_ok is None else col_ok[None, :]
+    )
+    return bcast(mask, shape)

@@ -52,10 +52,7 @@ def _kernel(x_ref, s_ref, q_ref, qt_ref, *, n_rows, n_cols, block_rows, block_co
     cols = pl.program_id(1) * block_cols + jnp.arange(block_cols)
     row_ok = rows < n_rows if n_rows % block_rows else None
     col_ok = cols < n_cols if n_cols % block_cols else None
-    mask = P.and_masks(
-        None if row_ok is None else row_ok[:, None], None if col_ok is None else col_ok[None, :]
-    )
-    mask = P.bcast(mask, (block_rows, block_cols))
+    mask = P.block_mask(row_ok, col_ok, (block_rows, block_cols))
     scale = P.load(s_ref, (jnp.arange(1),), None)
     q = quantize(P.load(x_ref, (rows[:, None], cols[None, :]), mask), dtype, scale)
     P.store(q_ref, (rows[:, None], cols[None, :]), q, mask)

@@ -59,14 +59,6 @@ def _launch(n_rows: int, n_cols: int, cfg: RmsNormConfig) -> tuple[int, int, int
     return block_rows, block_cols, num_warps
 
 
-def _block_mask(row_ok, col_ok, shape):
-    """[rows, cols] mask of a block from per-row and per-column masks (None: all in bounds)."""
-    mask = P.and_masks(
-        None if row_ok is None else row_ok[:, None], None if col_ok is None else col_ok[None, :]
-    )
-    return P.bcast(mask, shape)
-
-
 def _fwd_kernel(*refs, eps, n_rows, n_cols, block_rows, block_cols, has_residual):
     if has_residual:
         x_ref, r_ref, w_ref, y_ref, s_ref = refs
@@ -76,7 +68,7 @@ def _fwd_kernel(*refs, eps, n_rows, n_cols, block_rows, block_cols, has_residual
     cols = jnp.arange(block_cols)
     col_ok = cols < n_cols if n_cols != block_cols else None
     row_ok = rows < n_rows if n_rows % block_rows else None
-    mask = _block_mask(row_ok, col_ok, (block_rows, block_cols))
+    mask = P.block_mask(row_ok, col_ok, (block_rows, block_cols))
     idx = (rows[:, None], cols[None, :])
     x = P.load(x_ref, idx, mask)
     if has_residual:
@@ -104,7 +96,7 @@ def _bwd_kernel(*refs, eps, n_rows, n_cols, block_rows, block_cols, steps, has_d
     def body(k, dw_acc):
         rows = (g * steps + k) * block_rows + jnp.arange(block_rows)
         row_ok = rows < n_rows if ragged_rows else None
-        mask = _block_mask(row_ok, col_ok, (block_rows, block_cols))
+        mask = P.block_mask(row_ok, col_ok, (block_rows, block_cols))
         idx = (rows[:, None], cols[None, :])
         x = P.load(x_ref, idx, mask)
         dy = P.load(dy_ref, idx, mask)
