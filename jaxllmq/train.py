@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxllmq.config import ModelSpec
 from jaxllmq.kernels import resolve_impl
 from jaxllmq.kernels.cross_entropy import lm_head_loss, lm_head_loss_sharded
+from jaxllmq.kernels.fp8_quantize import Quantizer
 from jaxllmq.model import fp8_delayed, hf
 from jaxllmq.model.config import ModelConfig
 from jaxllmq.model.llama import Llama, abstract_model, params_of
@@ -263,7 +264,13 @@ def build(
     tables = rules.plan(zero_level)
     norm_impl = resolve_impl(kernels, "rms_norm", num_devices=mesh.size)
     loss_impl = resolve_impl(kernels, "lm_head_loss", num_devices=mesh.size)
-    fp8_quantize_impl = resolve_impl(kernels, "fp8_quantize", num_devices=mesh.size)
+    # The fp8 quantize pass runs per device's tokens on a mesh; tensor parallelism splits the
+    # columns too, so there it stays in XLA.
+    quantize_impl = resolve_impl(kernels, "fp8_quantize", num_devices=mesh.size)
+    if quantize_impl == "pallas" and mesh.shape[TENSOR] > 1:
+        quantize_impl = "xla"
+    per_device = quantize_impl == "pallas" and mesh.size > 1
+    quantizer = Quantizer(quantize_impl, mesh if per_device else None, BATCH_AXES)
     # A Pallas call has no partitioning rule: on several devices it runs per device's tokens.
     loss = LmHeadLoss(
         loss_impl, lmhead_chunks, mesh if loss_impl == "pallas" and mesh.size > 1 else None
@@ -277,7 +284,7 @@ def build(
         recompute=spec.recompute,
         linear_dtype=spec.linear_dtype,
         gradient_dtype=spec.gradient_dtype,
-        fp8_quantize_impl=fp8_quantize_impl,
+        fp8_quantizer=quantizer,
     )
     _, abstract, axes = abstract_model(model_cfg, **model_kwargs)
     # A layer's weights are used with their tensor-parallel sharding only (gathered over fsdp).

@@ -10,7 +10,8 @@ stores it twice, the second time transposed.
 
 `quantize_both_reference` is the pure-JAX referee. Both divide by the scale (a power of two, so
 exact), clip to the format's range and round once in the cast, so they agree bit for bit.
-Like the other kernels, the Pallas call has no SPMD partitioning rule: it serves one device.
+Like the other kernels, the Pallas call has no SPMD partitioning rule: on a multi-device mesh
+`Quantizer` runs it on each device's rows under shard_map.
 """
 
 import dataclasses
@@ -19,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxllmq.kernels import _pallas as P
 
@@ -91,3 +93,33 @@ def quantize_both(x_MxN: jax.Array, dtype, scale: jax.Array, *, impl: str = "xla
     return quantize_both_pallas(
         x_MxN, dtype, scale, Fp8QuantizeConfig(interpret=P.default_interpret())
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantizer:
+    """How the fp8 block linears quantize x and g into both layouts (`quantize_both`'s impl).
+
+    With a mesh, the Pallas pass runs under shard_map on each device's rows: the rows (tokens)
+    are split over `token_axes` and the columns whole, as data and ZeRO parallelism lay out
+    activations (tensor parallelism splits columns: the trainer keeps XLA's pass there).
+    """
+
+    impl: str = "xla"
+    mesh: Mesh | None = None
+    token_axes: tuple[str, ...] = ()
+
+    def __call__(self, x_MxN: jax.Array, dtype, scale: jax.Array):
+        """(q [M, N], q^T [N, M]): x / scale in fp8, row-major and transposed."""
+        if self.mesh is None:
+            return quantize_both(x_MxN, dtype, scale, impl=self.impl)
+        rows, cols = PartitionSpec(self.token_axes, None), PartitionSpec(None, self.token_axes)
+        return jax.shard_map(
+            lambda x, s: quantize_both(x, dtype, s, impl=self.impl),
+            mesh=self.mesh,
+            in_specs=(rows, PartitionSpec()),
+            out_specs=(rows, cols),
+            check_vma=False,
+        )(x_MxN, scale)
+
+
+XLA_QUANTIZER = Quantizer()  # the reference pass, on any mesh

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxllmq.kernels.fp8_quantize import quantize, quantize_both
+from jaxllmq.kernels.fp8_quantize import XLA_QUANTIZER, Quantizer, quantize
 
 FP8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 
@@ -96,14 +96,14 @@ def wgrad(qxt_KxM, qgt_NxM, scale, out_dtype) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _dense(x_MxK: jax.Array, w_KxN: jax.Array, dtype_name: str, grad_name: str, impl: str):
-    return _dense_fwd(x_MxK, w_KxN, dtype_name, grad_name, impl)[0]
+def _dense(x_MxK, w_KxN, dtype_name: str, grad_name: str, quantizer: Quantizer) -> jax.Array:
+    return _dense_fwd(x_MxK, w_KxN, dtype_name, grad_name, quantizer)[0]
 
 
-def _dense_fwd(x_MxK, w_KxN, dtype_name, grad_name, impl):
+def _dense_fwd(x_MxK, w_KxN, dtype_name, grad_name, quantizer):
     dtype = fp8_dtype(dtype_name)
     sx, sw = scale_of(x_MxK, dtype), scale_of(w_KxN, dtype)
-    qx_MxK, qxt_KxM = quantize_both(x_MxK, dtype, sx, impl=impl)
+    qx_MxK, qxt_KxM = quantizer(x_MxK, dtype, sx)
     qw_KxN = quantize(w_KxN, dtype, sw)
     y_MxN = gemm(qx_MxK, qw_KxN, ((1,), (0,)), sx * sw, x_MxK.dtype, lax.Precision.DEFAULT)
     # Keep x's token-major fp8 copy for the weight gradient (half the bytes of bf16); w's dtype
@@ -111,11 +111,11 @@ def _dense_fwd(x_MxK, w_KxN, dtype_name, grad_name, impl):
     return y_MxN, (qxt_KxM, sx, qw_KxN, sw, jnp.zeros((0,), w_KxN.dtype))
 
 
-def _dense_bwd(dtype_name, grad_name, impl, res, g_MxN):
+def _dense_bwd(dtype_name, grad_name, quantizer, res, g_MxN):
     qxt_KxM, sx, qw_KxN, sw, w_dtype = res
     gdtype = fp8_dtype(grad_name)
     sg = scale_of(g_MxN, gdtype)
-    qg_MxN, qgt_NxM = quantize_both(g_MxN, gdtype, sg, impl=impl)
+    qg_MxN, qgt_NxM = quantizer(g_MxN, gdtype, sg)
     high = lax.Precision.HIGHEST  # no fast accumulation for gradients
     dx_MxK = gemm(qg_MxN, qw_KxN, ((1,), (1,)), sg * sw, g_MxN.dtype, high)
     dw_KxN = wgrad(qxt_KxM, qgt_NxM, sx * sg, w_dtype.dtype)
@@ -130,12 +130,12 @@ def dense(
     w_KxN: jax.Array,
     dtype: str = "e4m3",
     grad_dtype: str = "e4m3",
-    quantize_impl: str = "xla",
+    quantizer: Quantizer = XLA_QUANTIZER,
 ) -> jax.Array:
     """x [..., K] @ w [K, N] with fp8 GEMMs (forward in `dtype`, gradients in `grad_dtype`);
-    x and the output gradient quantized by kernels.fp8_quantize's `quantize_impl`."""
+    x and the output gradient quantized into both layouts by `quantizer`."""
     *lead, K = x.shape
-    y_MxN = _dense(x.reshape(-1, K), w_KxN, dtype, grad_dtype, quantize_impl)
+    y_MxN = _dense(x.reshape(-1, K), w_KxN, dtype, grad_dtype, quantizer)
     return y_MxN.reshape(*lead, w_KxN.shape[1])
 
 
@@ -145,7 +145,9 @@ def matmul(x: jax.Array, w: jax.Array, name: str = "") -> jax.Array:
 
 
 def linear_fn(
-    linear_dtype: str | None, gradient_dtype: str | None = None, quantize_impl: str = "xla"
+    linear_dtype: str | None,
+    gradient_dtype: str | None = None,
+    quantizer: Quantizer = XLA_QUANTIZER,
 ) -> Callable[..., jax.Array]:
     """The block linears' `linear(x, w, name)`: `x @ w` in the compute dtype (None), or fp8
     `dense` with current scaling."""
@@ -154,4 +156,4 @@ def linear_fn(
     fp8_dtype(linear_dtype)
     grad = gradient_dtype or linear_dtype
     fp8_dtype(grad)
-    return lambda x, w, name="": dense(x, w, linear_dtype, grad, quantize_impl)
+    return lambda x, w, name="": dense(x, w, linear_dtype, grad, quantizer)

@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxllmq.model.fp8 import abs_max, fp8_dtype, gemm, quantize, quantize_both, scale_for, wgrad
+from jaxllmq.kernels.fp8_quantize import XLA_QUANTIZER, Quantizer
+from jaxllmq.model.fp8 import abs_max, fp8_dtype, gemm, quantize, scale_for, wgrad
 
 # Each block linear's input, named by what produces it; the first linear named reports its amax.
 INPUTS = {
@@ -57,15 +58,16 @@ MARGIN = 1
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _dense(x_MxK, w_KxN, ref_x, ref_w, ref_g, dtype_name, grad_name, report_x, impl):
-    return _dense_fwd(x_MxK, w_KxN, ref_x, ref_w, ref_g, dtype_name, grad_name, report_x, impl)[0]
+def _dense(x_MxK, w_KxN, ref_x, ref_w, ref_g, dtype_name, grad_name, report_x, quantizer):
+    args = (dtype_name, grad_name, report_x, quantizer)
+    return _dense_fwd(x_MxK, w_KxN, ref_x, ref_w, ref_g, *args)[0]
 
 
-def _dense_fwd(x_MxK, w_KxN, ref_x, ref_w, ref_g, dtype_name, grad_name, report_x, impl):
+def _dense_fwd(x_MxK, w_KxN, ref_x, ref_w, ref_g, dtype_name, grad_name, report_x, quantizer):
     dtype, headroom = fp8_dtype(dtype_name), 2.0**MARGIN
     sx, sw = scale_for(ref_x * headroom, dtype), scale_for(ref_w * headroom, dtype)
     sg = scale_for(ref_g * headroom, fp8_dtype(grad_name))
-    qx_MxK, qxt_KxM = quantize_both(x_MxK, dtype, sx, impl=impl)
+    qx_MxK, qxt_KxM = quantizer(x_MxK, dtype, sx)
     qw_KxN = quantize(w_KxN, dtype, sw)
     y_MxN = gemm(qx_MxK, qw_KxN, ((1,), (0,)), sx * sw, x_MxK.dtype, lax.Precision.DEFAULT)
     amax_x = abs_max(x_MxK) if report_x else jnp.zeros((), jnp.float32)
@@ -74,9 +76,9 @@ def _dense_fwd(x_MxK, w_KxN, ref_x, ref_w, ref_g, dtype_name, grad_name, report_
     return y_MxN, res
 
 
-def _dense_bwd(dtype_name, grad_name, report_x, impl, res, g_MxN):
+def _dense_bwd(dtype_name, grad_name, report_x, quantizer, res, g_MxN):
     qxt_KxM, sx, qw_KxN, sw, sg, amax_x, amax_w, w_dtype = res
-    qg_MxN, qgt_NxM = quantize_both(g_MxN, fp8_dtype(grad_name), sg, impl=impl)
+    qg_MxN, qgt_NxM = quantizer(g_MxN, fp8_dtype(grad_name), sg)
     high = lax.Precision.HIGHEST  # no fast accumulation for gradients
     dx_MxK = gemm(qg_MxN, qw_KxN, ((1,), (1,)), sg * sw, g_MxN.dtype, high)
     dw_KxN = wgrad(qxt_KxM, qgt_NxM, sx * sg, w_dtype.dtype)
@@ -94,17 +96,17 @@ def dense(
     dtype: str = "e4m3",
     grad_dtype: str = "e4m3",
     report_x: bool = True,
-    quantize_impl: str = "xla",
+    quantizer: Quantizer = XLA_QUANTIZER,
 ) -> jax.Array:
     """x [..., K] @ w [K, N] in fp8, scaled from the reference amaxes (x, w, g); their gradients
     are this call's amaxes (x's only with report_x). x and g quantized as in fp8.dense."""
     *lead, K = x.shape
-    y_MxN = _dense(x.reshape(-1, K), w_KxN, *ref, dtype, grad_dtype, report_x, quantize_impl)
+    y_MxN = _dense(x.reshape(-1, K), w_KxN, *ref, dtype, grad_dtype, report_x, quantizer)
     return y_MxN.reshape(*lead, w_KxN.shape[1])
 
 
 def linear_fn(
-    linear_dtype: str, gradient_dtype: str | None, ref: dict, quantize_impl: str = "xla"
+    linear_dtype: str, gradient_dtype: str | None, ref: dict, quantizer: Quantizer = XLA_QUANTIZER
 ) -> Callable[[jax.Array, jax.Array, str], jax.Array]:
     """One layer's `linear(x, w, name)` with delayed scaling; `ref` is `reference()` of a layer."""
     if linear_dtype is None:
@@ -114,7 +116,7 @@ def linear_fn(
     def linear(x: jax.Array, w: jax.Array, name: str) -> jax.Array:
         refs = (ref["x"][INPUTS[name]], ref["w"][name], ref["g"][name])
         report_x = name in REPORTS_X
-        return dense(x, w, refs, linear_dtype, grad, report_x, quantize_impl)
+        return dense(x, w, refs, linear_dtype, grad, report_x, quantizer)
 
     return linear
 

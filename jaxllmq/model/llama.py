@@ -161,7 +161,7 @@ class Llama(nnx.Module):
         init_proj_to_zero: bool = False,
         linear_dtype: str | None = None,
         gradient_dtype: str | None = None,
-        fp8_quantize_impl: str = "xla",
+        fp8_quantizer: fp8.Quantizer | None = None,
     ):
         self.cfg = cfg
         self.dtype = dtype
@@ -169,7 +169,7 @@ class Llama(nnx.Module):
         # in `dtype`. The LM head and attention stay in `dtype`, as llmq does.
         self.linear_dtype = linear_dtype
         self.gradient_dtype = gradient_dtype
-        self.fp8_quantize_impl = fp8_quantize_impl  # kernels.fp8_quantize: "xla" or "pallas"
+        self.fp8_quantizer = fp8_quantizer or fp8.XLA_QUANTIZER  # x and g into both fp8 layouts
         fp8.linear_fn(linear_dtype, gradient_dtype)  # unknown names fail here, not in a trace
         self.scan_layers = scan_layers
         self.attention = resolve_attention(attention, dtype)
@@ -224,12 +224,10 @@ class Llama(nnx.Module):
 
         def layer(x, p, amax):
             if amax is None:
-                linear = fp8.linear_fn(
-                    self.linear_dtype, self.gradient_dtype, self.fp8_quantize_impl
-                )
+                linear = fp8.linear_fn(self.linear_dtype, self.gradient_dtype, self.fp8_quantizer)
             else:
                 linear = fp8_delayed.linear_fn(
-                    self.linear_dtype, self.gradient_dtype, amax, self.fp8_quantize_impl
+                    self.linear_dtype, self.gradient_dtype, amax, self.fp8_quantizer
                 )
             x = decoder_layer(
                 self.gather_layer(p),
