@@ -6,9 +6,12 @@
 # 1 GPU with the same weights and kernels (XLA's: a Pallas call has no SPMD rule, see kernels/).
 # NCCL settings pass through the environment, e.g. `NCCL_PROTO=Simple bash benchmarks/gpu_scaling.sh`
 # (the 04:47 UTC profile showed the per-layer all-reduces running NCCL's ring LL protocol).
-# Usage: bash benchmarks/gpu_scaling.sh [fp32] [bf16] [tune]   (default: fp32 bf16)
+# Usage: bash benchmarks/gpu_scaling.sh [fp32] [bf16] [tune] [fp8]   (default: fp32 bf16)
 #   tune: the collectives' bus bandwidth alone (benchmarks/collectives.py), then bf16 ZeRO-1 and
-#         ZeRO-2 on 2 GPUs under each of $TUNE's settings (env assignments, ";"-separated)
+#         ZeRO-2 on 2 GPUs under each of $TUNE's settings (env assignments, ";"-separated; the
+#         defaults are the ones not yet measured, see docs/PERFORMANCE.md for the others)
+#   fp8:  e4m3 (bf16 weights and moments) on 1 GPU, then on 2 at ZeRO-1 and 3 with the fp8
+#         quantize pass in XLA (auto) and as the per-device Pallas kernel (shard_map)
 source benchmarks/gpu_env.sh
 SECTIONS="${*:-fp32 bf16}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -44,7 +47,7 @@ if want bf16; then
   grep -A14 "device kernel time" "$OUT/err.txt"
   for z in 2 3; do bench --gpus=2 --zero_level=$z "${BF16[@]}"; done
 fi
-TUNE=${TUNE:-"A=1;XLA_FLAGS=--xla_gpu_enable_highest_priority_async_stream=true;XLA_FLAGS=--xla_gpu_all_reduce_combine_threshold_bytes=1073741824 --xla_gpu_all_gather_combine_threshold_bytes=1073741824 --xla_gpu_reduce_scatter_combine_threshold_bytes=1073741824;NCCL_MIN_NCHANNELS=16"}
+TUNE=${TUNE:-"A=1;NCCL_MAX_NCHANNELS=4;NCCL_MAX_NCHANNELS=8"}
 if want tune; then
   python3 benchmarks/collectives.py 2>&1 | tail -13
   BF16=(--model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16)
@@ -58,13 +61,26 @@ if want tune; then
     done
   done
 fi
+if want fp8; then
+  BF16=(--model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16 --matmul_dtype=e4m3)
+  bench --gpus=1 --kernels=xla "${BF16[@]}"  # the base, as above: XLA's kernels
+  VARIANT="quantize pallas" bench --gpus=1 --kernels=rms_norm=xla,lm_head_loss=xla,fp8_quantize=pallas "${BF16[@]}"
+  for z in 1 3; do
+    VARIANT="quantize xla" bench --gpus=2 --zero_level=$z "${BF16[@]}"
+    VARIANT="quantize pallas" bench --gpus=2 --zero_level=$z --kernels=fp8_quantize=pallas "${BF16[@]}"
+  done
+fi
 python3 - "$OUT/scaling.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
-base = {r["model_dtype"]: r["tokens_per_s"] for r in rows if r["devices"] == 1}
+key = lambda r: (r["model_dtype"], r.get("linear_dtype"))
+base = {}
+for r in rows:
+    if r["devices"] == 1:
+        base.setdefault(key(r), r["tokens_per_s"])  # the first one-GPU run of its dtypes
 print(f"{'weights':>8} {'kernels':>20} {'gpus':>4} {'procs':>5} {'zero':>4} {'tok/s':>9} {'per-GPU eff':>11} {'MFU':>6} {'GiB/GPU':>8} {'step ms':>8}  setting")
 for r in rows:
-    eff = r["tokens_per_s"] / (r["devices"] * base[r["model_dtype"]]) if r["model_dtype"] in base else float("nan")
+    eff = r["tokens_per_s"] / (r["devices"] * base[key(r)]) if key(r) in base else float("nan")
     print(f"{r['model_dtype']:>8} {r['kernels']:>20} {r['devices']:>4} {r['processes']:>5} {r['zero_level']:>4} {r['tokens_per_s']:>9,.0f} "
           f"{eff:>11.3f} {100 * r['mfu_spec']:>5.1f}% {r['peak_memory_gib_per_device'] or 0:>8.1f} {r['step_ms_median']:>8.1f}  {r.get('variant', '')[:60]}")
 PY
