@@ -2,8 +2,9 @@
 # Issue 12 on an nvidia-h200-x8 machine (8 H200s of one host). Sections, each under 10 minutes:
 #   1b     Llama-3.2-1B shapes, B=8 x 2048 per GPU, unrolled, fp32 master: tokens/s per GPU on
 #          1, 2, 4 and 8 GPUs at ZeRO-1/2/3, efficiency 1 -> N against the one-GPU run
-#   8b     Llama-3.1-8B shapes, seq 8192, B=1 per GPU, ZeRO-3 on 8 GPUs, bf16 and e4m3 (with
-#          --recompute_block only if the plain run does not fit), then TP=2 x ZeRO-3 and TP=8
+#   8b     Llama-3.1-8B shapes, seq 8192, B=1 per GPU, ZeRO-3 on 8 GPUs, bf16 and e4m3 (the fp8
+#          quantize pass in XLA, then per GPU in Pallas; with --recompute_block only if the plain
+#          run does not fit), then TP=2 x ZeRO-3 and TP=8
 #   procs  8 processes x 1 GPU through launch/local.sh against 1 process x 8 GPUs: the same
 #          20 training steps of the 1B on the quickstart corpus, losses compared step by step
 # Usage: bash benchmarks/gpu_scaling_x8.sh [1b] [8b] [procs]   (default: all; JSON in $OUT)
@@ -27,9 +28,11 @@ fi
 
 if want 8b; then
   B8=(--model=llama-3.1-8b --batch_size=1 --seq_len=8192 --noscan_layers --gpus=8 --bench_steps=8 --bench_warmup=2)
-  for mm in bfloat16 e4m3; do
-    bench "8b-z3-$mm" "${B8[@]}" --zero_level=3 --matmul_dtype=$mm ||
-      bench "8b-z3-$mm-recompute" "${B8[@]}" --zero_level=3 --matmul_dtype=$mm --recompute_block
+  for mm in bfloat16 e4m3 e4m3-pallasq; do  # e4m3-pallasq: the fp8 quantize pass per GPU in Pallas
+    f=(--matmul_dtype=${mm%-pallasq})
+    [[ $mm == *-pallasq ]] && f+=(--kernels=fp8_quantize=pallas)
+    bench "8b-z3-$mm" "${B8[@]}" --zero_level=3 "${f[@]}" ||
+      bench "8b-z3-$mm-recompute" "${B8[@]}" --zero_level=3 "${f[@]}" --recompute_block
   done
   bench 8b-tp2-z3 "${B8[@]}" --zero_level=3 --tensor_parallel=2
   bench 8b-tp8 "${B8[@]}" --zero_level=1 --tensor_parallel=8
