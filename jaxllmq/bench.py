@@ -239,6 +239,7 @@ def run_bench(
         "attention": spec.attention,
         "recompute": list(spec.recompute.names()) + (["block"] if spec.recompute.block else []),
         "kernels": kernels,
+        "kernels_used": train.kernel_choices(kernels, mesh),  # what auto resolved to here
         "lmhead_chunks": lmhead_chunks,
         "tokens_per_s": tokens_per_s,
         "step_ms_mean": 1000 * total_s / steps,

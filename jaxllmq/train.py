@@ -16,7 +16,7 @@ from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllmq.config import ModelSpec
-from jaxllmq.kernels import resolve_impl
+from jaxllmq.kernels import KERNELS, resolve_impl
 from jaxllmq.kernels.cross_entropy import lm_head_loss, lm_head_loss_sharded
 from jaxllmq.kernels.fp8_quantize import Quantizer
 from jaxllmq.model import fp8_delayed, hf
@@ -236,6 +236,16 @@ class Compiled:
     weights: Callable[[dict], dict] = lambda params: params
 
 
+def kernel_choices(kernels: str, mesh: jax.sharding.Mesh) -> dict[str, str]:
+    """What each fused kernel runs as in the step on `mesh`: --kernels resolved ("pallas"/"xla")."""
+    impls = {k: resolve_impl(kernels, k, num_devices=mesh.size) for k in KERNELS}
+    # The fp8 quantize pass runs per device's tokens (shard_map); tensor parallelism splits the
+    # columns too, so there it stays in XLA.
+    if mesh.shape[TENSOR] > 1:
+        impls["fp8_quantize"] = "xla"
+    return impls
+
+
 def build(
     model_cfg: ModelConfig,
     spec: ModelSpec,
@@ -262,13 +272,9 @@ def build(
         vocab=model_cfg.vocab_size,
     )
     tables = rules.plan(zero_level)
-    norm_impl = resolve_impl(kernels, "rms_norm", num_devices=mesh.size)
-    loss_impl = resolve_impl(kernels, "lm_head_loss", num_devices=mesh.size)
-    # The fp8 quantize pass runs per device's tokens on a mesh; tensor parallelism splits the
-    # columns too, so there it stays in XLA.
-    quantize_impl = resolve_impl(kernels, "fp8_quantize", num_devices=mesh.size)
-    if quantize_impl == "pallas" and mesh.shape[TENSOR] > 1:
-        quantize_impl = "xla"
+    impls = kernel_choices(kernels, mesh)
+    norm_impl, loss_impl = impls["rms_norm"], impls["lm_head_loss"]
+    quantize_impl = impls["fp8_quantize"]
     per_device = quantize_impl == "pallas" and mesh.size > 1
     quantizer = Quantizer(quantize_impl, mesh if per_device else None, BATCH_AXES)
     # A Pallas call has no partitioning rule: on several devices it runs per device's tokens.

@@ -2,10 +2,12 @@
 
 import dataclasses
 
-from jaxllmq import bench
+from jaxllmq import bench, train
 from jaxllmq.config import ModelSpec
+from jaxllmq.kernels import KERNELS
 from jaxllmq.model.config import preset
 from jaxllmq.optim import OptimConfig
+from jaxllmq.parallel.mesh import make_mesh
 
 
 def test_bench_reports_throughput_and_a_falling_loss():
@@ -33,3 +35,11 @@ def test_bench_reports_throughput_and_a_falling_loss():
     assert out["losses"][-1] < out["losses"][0]  # the same batch, so it must be learned
     assert out["compile_s"] > 0 and out["mfu_spec"] is None
     assert out["profile"]["device_ms_per_step"] == 0  # the trace ran; a CPU has no GPU streams
+    assert out["kernels_used"] == dict.fromkeys(KERNELS, "xla")  # auto on CPU
+
+
+def test_kernel_choices_keep_the_fp8_quantize_in_xla_under_tensor_parallelism():
+    # Pallas asked for: per device on a data/ZeRO mesh; tensor parallelism splits the columns.
+    assert train.kernel_choices("pallas", make_mesh(8)) == dict.fromkeys(KERNELS, "pallas")
+    with_tp = train.kernel_choices("pallas", make_mesh(8, tensor_parallel=2))
+    assert with_tp == {"rms_norm": "pallas", "lm_head_loss": "pallas", "fp8_quantize": "xla"}
