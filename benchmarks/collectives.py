@@ -43,29 +43,24 @@ def main() -> None:
     mesh = Mesh(devices, ("d",))
     smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
     ops = {
-        # per-device input [n, m] (each device's full-size buffer), factor for bus bandwidth
-        "all_reduce": (lambda x: jax.lax.psum(x, "d"), P("d"), P("d"), 2 * (n - 1) / n),
+        # on each device's row of an [n, m] array (in and out sharded over "d"); the factor
+        # that turns bytes / time into bus bandwidth
+        "all_reduce": (lambda x: jax.lax.psum(x, "d"), 2 * (n - 1) / n),
         "reduce_scatter": (
             lambda x: jax.lax.psum_scatter(x, "d", scatter_dimension=1, tiled=True),
-            P("d"),
-            P("d"),
             (n - 1) / n,
         ),
-        "all_gather": (
-            lambda x: jax.lax.all_gather(x, "d", axis=1, tiled=True),
-            P("d"),
-            P("d"),
-            (n - 1) / n,
-        ),
+        "all_gather": (lambda x: jax.lax.all_gather(x, "d", axis=1, tiled=True), (n - 1) / n),
     }
     sizes = [2**k for k in (range(10, 14) if args.smoke else range(24, 31, 2))]  # bytes
     rows = []
-    for name, (fn, spec_in, spec_out, factor) in ops.items():
+    rows_of = NamedSharding(mesh, P("d"))
+    for name, (fn, factor) in ops.items():
         for size in sizes:
             elems = size // 2  # bf16; the full buffer each device holds (all-gather: its output)
             width = elems // n if name == "all_gather" else elems
-            x = jax.device_put(jnp.ones((n, width), jnp.bfloat16), NamedSharding(mesh, spec_in))
-            f = jax.jit(smap(fn, in_specs=spec_in, out_specs=spec_out))
+            x = jax.device_put(jnp.ones((n, width), jnp.bfloat16), rows_of)
+            f = jax.jit(smap(fn, in_specs=P("d"), out_specs=P("d")))
             f(x).block_until_ready()
             times = []
             for _ in range(args.reps):

@@ -21,7 +21,8 @@ env | grep -E "^(NCCL|XLA)_" || true
 common=(--model=llama-3.2-1b --batch_size=8 --seq_len=2048 --noscan_layers --bench_steps=12
         --measure_matmul_ceiling=false --json)
 tag() { python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); r["variant"]=sys.argv[1]; print(json.dumps(r))' "${VARIANT:-}"; }
-bench() { python3 -m jaxllmq.bench "${common[@]}" "$@" 2>"$OUT/err.txt" | grep '^{' | tail -1 | tag | tee -a "$OUT/scaling.jsonl" || tail -5 "$OUT/err.txt"; }
+# bench FLAGS...: one tagged JSON line in $OUT/scaling.jsonl; $SETTING (one NAME=value) is set for it
+bench() { env ${SETTING:+"$SETTING"} python3 -m jaxllmq.bench "${common[@]}" "$@" 2>"$OUT/err.txt" | grep '^{' | tail -1 | tag | tee -a "$OUT/scaling.jsonl" || tail -5 "$OUT/err.txt"; }
 two_procs() {  # ZeRO level, extra flags...
   local z=$1; shift; local port=$((20000 + RANDOM % 20000))
   for i in 0 1; do
@@ -54,20 +55,16 @@ if want tune; then
   bench --gpus=1 --kernels=xla "${BF16[@]}"
   IFS=";" read -r -a settings <<< "$TUNE"
   for setting in "${settings[@]}"; do
-    for z in 1 2; do
-      VARIANT=$setting env "$setting" python3 -m jaxllmq.bench "${common[@]}" --gpus=2 --zero_level=$z \
-        "${BF16[@]}" 2>"$OUT/err.txt" | grep '^{' | tail -1 | VARIANT=$setting tag | tee -a "$OUT/scaling.jsonl" \
-        || tail -3 "$OUT/err.txt"
-    done
+    for z in 1 2; do SETTING=$setting VARIANT=$setting bench --gpus=2 --zero_level=$z "${BF16[@]}"; done
   done
 fi
 if want fp8; then
-  BF16=(--model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16 --matmul_dtype=e4m3)
-  bench --gpus=1 --kernels=xla "${BF16[@]}"  # the base, as above: XLA's kernels
-  VARIANT="quantize pallas" bench --gpus=1 --kernels=rms_norm=xla,lm_head_loss=xla,fp8_quantize=pallas "${BF16[@]}"
+  FP8=(--model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16 --matmul_dtype=e4m3)
+  bench --gpus=1 --kernels=xla "${FP8[@]}"  # the base, as above: XLA's kernels
+  VARIANT="quantize pallas" bench --gpus=1 --kernels=rms_norm=xla,lm_head_loss=xla,fp8_quantize=pallas "${FP8[@]}"
   for z in 1 3; do
-    VARIANT="quantize xla" bench --gpus=2 --zero_level=$z "${BF16[@]}"
-    VARIANT="quantize pallas" bench --gpus=2 --zero_level=$z --kernels=fp8_quantize=pallas "${BF16[@]}"
+    VARIANT="quantize xla" bench --gpus=2 --zero_level=$z "${FP8[@]}"
+    VARIANT="quantize pallas" bench --gpus=2 --zero_level=$z --kernels=fp8_quantize=pallas "${FP8[@]}"
   done
 fi
 python3 - "$OUT/scaling.jsonl" <<'PY'
