@@ -274,13 +274,11 @@ def build(
     tables = rules.plan(zero_level)
     impls = kernel_choices(kernels, mesh)
     norm_impl, loss_impl = impls["rms_norm"], impls["lm_head_loss"]
-    quantize_impl = impls["fp8_quantize"]
-    per_device = quantize_impl == "pallas" and mesh.size > 1
-    quantizer = Quantizer(quantize_impl, mesh if per_device else None, BATCH_AXES)
-    # A Pallas call has no partitioning rule: on several devices it runs per device's tokens.
-    loss = LmHeadLoss(
-        loss_impl, lmhead_chunks, mesh if loss_impl == "pallas" and mesh.size > 1 else None
-    )
+    # A Pallas call has no partitioning rule: on several devices it runs per device's tokens
+    # (under shard_map over this mesh; None: one call over the whole batch).
+    per_device = lambda impl: mesh if impl == "pallas" and mesh.size > 1 else None
+    loss = LmHeadLoss(loss_impl, lmhead_chunks, per_device(loss_impl))
+    quantizer = Quantizer(impls["fp8_quantize"], per_device(impls["fp8_quantize"]), BATCH_AXES)
     model_kwargs = dict(
         param_dtype=jnp.dtype(spec.model_dtype),
         dtype=jnp.dtype(spec.matmul_dtype),

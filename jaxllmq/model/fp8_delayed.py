@@ -59,8 +59,9 @@ MARGIN = 1
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _dense(x_MxK, w_KxN, ref_x, ref_w, ref_g, dtype_name, grad_name, report_x, quantizer):
-    args = (dtype_name, grad_name, report_x, quantizer)
-    return _dense_fwd(x_MxK, w_KxN, ref_x, ref_w, ref_g, *args)[0]
+    return _dense_fwd(
+        x_MxK, w_KxN, ref_x, ref_w, ref_g, dtype_name, grad_name, report_x, quantizer
+    )[0]
 
 
 def _dense_fwd(x_MxK, w_KxN, ref_x, ref_w, ref_g, dtype_name, grad_name, report_x, quantizer):
