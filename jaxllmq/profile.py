@@ -63,12 +63,50 @@ def kernel_times(profile: ProfileData) -> dict[str, tuple[float, int]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def exposed_collective_ns(profile: ProfileData) -> float:
+    """NCCL kernel time during which no other kernel runs on the same GPU, in ns, averaged over
+    the trace's GPUs: the communication the schedule failed to hide behind compute."""
+    per_gpu = []
+    for plane in profile.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        comm, compute = [], []
+        for line in plane.lines:
+            if line.name.startswith("Stream"):
+                for event in line.events:
+                    span = (event.start_ns, event.start_ns + event.duration_ns)
+                    (comm if category(event.name) == "nccl" else compute).append(span)
+        exposed, busy, i = 0.0, _union(compute), 0
+        for start, end in _union(comm):
+            covered = 0.0
+            while i < len(busy) and busy[i][1] <= start:
+                i += 1
+            j = i
+            while j < len(busy) and busy[j][0] < end:
+                covered += min(end, busy[j][1]) - max(start, busy[j][0])
+                j += 1
+            exposed += end - start - covered
+        per_gpu.append(exposed)
+    return sum(per_gpu) / len(per_gpu) if per_gpu else 0.0
+
+
 def breakdown(log_dir: str, steps: int, top: int = 15) -> dict:
     """Per-step ms by category and the `top` kernels, from the newest trace under log_dir."""
     files = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True))
     if not files:
         raise FileNotFoundError(f"no *.xplane.pb trace under {log_dir}")
-    times = kernel_times(ProfileData.from_file(files[-1]))
+    trace = ProfileData.from_file(files[-1])
+    times = kernel_times(trace)
     per_step = lambda ns: ns / 1e6 / steps
     cats: dict[str, float] = collections.defaultdict(float)
     for name, (ns, _) in times.items():
@@ -77,6 +115,7 @@ def breakdown(log_dir: str, steps: int, top: int = 15) -> dict:
     return {
         "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
         "device_ms_per_step": sum(cats.values()),
+        "exposed_nccl_ms_per_step": per_step(exposed_collective_ns(trace)),
         "kernels": [(name, per_step(ns), count // steps) for name, (ns, count) in ranked],
     }
 
@@ -85,6 +124,7 @@ def format_breakdown(result: dict) -> str:
     """The breakdown as a short table for the console."""
     lines = [f"device kernel time {result['device_ms_per_step']:.1f} ms/step (all streams)"]
     lines += [f"  {cat:>10} {ms:8.2f} ms" for cat, ms in result["categories"].items()]
+    lines.append(f"  NCCL time with no other kernel running: {result['exposed_nccl_ms_per_step']:.2f} ms")
     lines.append("  top kernels (ms/step, launches/step, category):")
     for name, ms, count in result["kernels"]:
         lines.append(f"  {ms:8.2f} {count:5d}  {category(name):>9}  {name[:90]}")

@@ -30,7 +30,7 @@ from jaxllmq.optim import (
     nonfinite_counts,
 )
 from jaxllmq.parallel import rules
-from jaxllmq.parallel.mesh import BATCH_AXES, TENSOR, batch_sharding, replicated
+from jaxllmq.parallel.mesh import BATCH_AXES, DATA, FSDP, TENSOR, batch_sharding, replicated
 from jaxllmq.parallel.rules import check_tensor_parallel
 
 
@@ -246,6 +246,19 @@ def kernel_choices(kernels: str, mesh: jax.sharding.Mesh) -> dict[str, str]:
     return impls
 
 
+def gather_embed_below(vocab: int, mesh: jax.sharding.Mesh, zero_level: int) -> int:
+    """Micro-batch size in tokens below which the embedding's backward gathers the tokens'
+    gradients rather than reducing the table's dense gradient (Llama.embed).
+
+    Per device, the gather receives (n - 1) x tokens/n x D elements for n batch devices; the
+    table's reduction (n - 1)/n x V x D as a reduce-scatter (ZeRO-2/3), twice that as an
+    all-reduce (ZeRO-1, gradients replicated). So: gather below V tokens, or 2V at ZeRO-1.
+    """
+    if mesh.shape[DATA] * mesh.shape[FSDP] == 1:
+        return 0
+    return vocab * (2 if zero_level == 1 else 1)
+
+
 def build(
     model_cfg: ModelConfig,
     spec: ModelSpec,
@@ -311,6 +324,8 @@ def build(
             k: jax.lax.with_sharding_constraint(v.astype(model_kwargs["dtype"]), layer_compute[k])
             for k, v in p.items()
         },
+        replicate=lambda x: jax.lax.with_sharding_constraint(x, replicated(mesh)),
+        gather_embed_below=gather_embed_below(model_cfg.vocab_size, mesh, zero_level),
     )
     check_supported(mesh, spec.offload)
     # Host offload: the master weights and/or Adam's moments live in pinned host memory.

@@ -1,6 +1,7 @@
 """SPMD on 8 fake CPU devices: what each ZeRO level shards, and that it trains the same."""
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -101,6 +102,22 @@ def test_pallas_loss_runs_per_device_and_trains_the_same(one_device_losses):
     assert "manual_computation" in built.train_step.lower(built.state, batch).as_text()
     sharded = _losses(built)
     np.testing.assert_allclose(sharded, one_device_losses, rtol=2e-5)
+
+
+def test_embedding_backward_gathers_the_tokens_gradients():
+    """Below the size rule the table's dense [V, D] gradient is never all-reduced: the tokens'
+    gradients [B, T, D] are all-gathered instead (train.gather_embed_below, Llama.embed)."""
+    built = _build(8, 1)
+    batch = jax.device_put(BATCHES[0], built.batch_sharding)
+    hlo = built.train_step.lower(built.state, batch).compile().as_text()
+    V, D = CFG.vocab_size, CFG.hidden_size
+    reduced = " ".join(re.findall(r"= (.*?) all-reduce(?:-start)?\(", hlo))
+    gathered = " ".join(re.findall(r"= (.*?) all-gather(?:-start)?\(", hlo))
+    assert f"[{V},{D}]" not in reduced and f"[{D},{V}]" in reduced  # the untied head's is
+    assert f"[8,32,{D}]" in gathered
+    assert train.gather_embed_below(V, make_mesh(8), 1) == 2 * V
+    assert train.gather_embed_below(V, make_mesh(8), 3) == V
+    assert train.gather_embed_below(V, make_mesh(1), 1) == 0
 
 
 def test_tensor_parallel_that_does_not_divide_is_refused():

@@ -7,7 +7,8 @@ from jax.profiler import ProfileData
 from jaxllmq import profile
 
 # Two steps of a fake GPU trace: a gemm of 3 ms and a fusion of 1 ms per step on the compute
-# stream, an NCCL kernel of 2 ms per step on another, and an "XLA Ops" line that repeats them.
+# stream, NCCL kernels of 2.75 ms per step on another (1 ms of the second runs while the compute
+# stream is idle), and an "XLA Ops" line that repeats them.
 TRACE = """
 planes {
   id: 1
@@ -20,6 +21,7 @@ planes {
   }
   lines { id: 2 name: "Stream #20(MemcpyP2P)" timestamp_ns: 0
     events { metadata_id: 3 offset_ps: 0 duration_ps: 4000000000 }
+    events { metadata_id: 3 offset_ps: 4000000000 duration_ps: 1500000000 }
   }
   lines { id: 3 name: "XLA Ops" timestamp_ns: 0
     events { metadata_id: 4 offset_ps: 0 duration_ps: 9000000000 }
@@ -46,8 +48,9 @@ def test_breakdown_sums_stream_kernels_per_step(tmp_path):
     os.makedirs(path.parent)
     path.write_bytes(ProfileData.text_proto_to_serialized_xspace(TRACE))
     out = profile.breakdown(str(tmp_path), steps=2)
-    assert out["categories"] == {"gemm": 3.0, "nccl": 2.0, "fusion": 1.0}
-    assert out["device_ms_per_step"] == 6.0
+    assert out["categories"] == {"gemm": 3.0, "nccl": 2.75, "fusion": 1.0}
+    assert out["device_ms_per_step"] == 6.75
+    assert out["exposed_nccl_ms_per_step"] == 0.5
     name, ms, count = out["kernels"][0]
     assert name.startswith("nvjet") and ms == 3.0 and count == 1
     assert "dot.12" not in {k for k, _, _ in out["kernels"]}  # the XLA Ops line is not counted

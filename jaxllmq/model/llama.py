@@ -158,6 +158,8 @@ class Llama(nnx.Module):
         recompute: Recompute | None = None,
         constrain: Callable[[jax.Array], jax.Array] | None = None,
         gather_layer: Callable[[dict], dict] | None = None,
+        replicate: Callable[[jax.Array], jax.Array] | None = None,
+        gather_embed_below: int = 0,
         init_proj_to_zero: bool = False,
         linear_dtype: str | None = None,
         gradient_dtype: str | None = None,
@@ -180,6 +182,11 @@ class Llama(nnx.Module):
         # ZeRO-3 that is the per-layer all-gather).
         self.constrain = constrain or (lambda x: x)
         self.gather_layer = gather_layer or (lambda p: p)
+        # `replicate` gives an array the same value on every device. Below `gather_embed_below`
+        # tokens per micro-batch the embedding lookup runs on every device's copy of the whole
+        # batch (see embed).
+        self.replicate = replicate or (lambda x: x)
+        self.gather_embed_below = gather_embed_below
         D, V = cfg.hidden_size, cfg.vocab_size
         self.embed_tokens = nnx.Param(
             _normal(rngs, (V, D), 0.02, param_dtype), axes=("vocab", "embed")
@@ -219,8 +226,7 @@ class Llama(nnx.Module):
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         cos, sin = rope_cos_sin(cfg, positions_BxT)
-        x_BxTxD = jnp.take(self.embed_tokens[...], tokens_BxT, axis=0).astype(self.dtype)
-        x_BxTxD = self.constrain(x_BxTxD)
+        x_BxTxD = self.constrain(self.embed(tokens_BxT))
 
         def layer(x, p, amax):
             if amax is None:
@@ -256,6 +262,22 @@ class Llama(nnx.Module):
         return rms_norm(
             x_BxTxD, self.norm[...].astype(self.dtype), cfg.rms_norm_eps, impl=self.norm_impl
         )
+
+    def embed(self, tokens_BxT: jax.Array) -> jax.Array:
+        """The tokens' embeddings [B, T, D] in the compute dtype.
+
+        The table's gradient is a scatter-add of the tokens' gradients. With the batch split over
+        devices, each device scatters its own tokens and the dense [V, D] sums are reduced across
+        devices: the last reduction of the backward pass, with no compute left to hide it. Below
+        `gather_embed_below` tokens every device looks up the whole batch instead, so the
+        backward all-gathers the tokens' gradients (B x T x D, fewer bytes) and each device
+        scatter-adds all of them: the table's gradient needs no reduction.
+        """
+        table_VxD = self.embed_tokens[...]
+        if tokens_BxT.size >= self.gather_embed_below:
+            return jnp.take(table_VxD, tokens_BxT, axis=0).astype(self.dtype)
+        tokens_BxT = self.replicate(tokens_BxT)
+        return self.replicate(jnp.take(table_VxD, tokens_BxT, axis=0).astype(self.dtype))
 
     def logits(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None) -> jax.Array:
         """Logits [B, T, V] in fp32 (for evaluation, parity tests and sampling; training fuses)."""
