@@ -124,7 +124,9 @@ def format_breakdown(result: dict) -> str:
     """The breakdown as a short table for the console."""
     lines = [f"device kernel time {result['device_ms_per_step']:.1f} ms/step (all streams)"]
     lines += [f"  {cat:>10} {ms:8.2f} ms" for cat, ms in result["categories"].items()]
-    lines.append(f"  NCCL time with no other kernel running: {result['exposed_nccl_ms_per_step']:.2f} ms")
+    lines.append(
+        f"  NCCL time with no other kernel running: {result['exposed_nccl_ms_per_step']:.2f} ms"
+    )
     lines.append("  top kernels (ms/step, launches/step, category):")
     for name, ms, count in result["kernels"]:
         lines.append(f"  {ms:8.2f} {count:5d}  {category(name):>9}  {name[:90]}")
