@@ -7,9 +7,10 @@
 # NCCL settings pass through the environment, e.g. `NCCL_PROTO=Simple bash benchmarks/gpu_scaling.sh`
 # (the 04:47 UTC profile showed the per-layer all-reduces running NCCL's ring LL protocol).
 # Usage: bash benchmarks/gpu_scaling.sh [fp32] [bf16] [tune] [fp8]   (default: fp32 bf16)
-#   tune: the collectives' bus bandwidth alone (benchmarks/collectives.py), then bf16 ZeRO-1 and
-#         ZeRO-2 on 2 GPUs under each of $TUNE's settings (env assignments, ";"-separated; the
-#         defaults are the ones not yet measured, see docs/PERFORMANCE.md for the others)
+#   tune: bf16 ZeRO-1 and ZeRO-2 on 2 GPUs under each of $TUNE's settings (env assignments,
+#         ";"-separated; A=1 is the defaults), with $TUNE_FLAGS added (e.g. --profile_steps=2:
+#         the table then shows the NCCL time no other kernel overlapped); COLLECTIVES=1 first
+#         measures the links' bus bandwidth alone (benchmarks/collectives.py)
 #   fp8:  e4m3 (bf16 weights and moments) on 1 GPU, then on 2 at ZeRO-1 and 3 with the fp8
 #         quantize pass in XLA (auto) and as the per-device Pallas kernel (shard_map)
 source benchmarks/gpu_env.sh
@@ -50,12 +51,12 @@ if want bf16; then
 fi
 TUNE=${TUNE:-"A=1;NCCL_MAX_NCHANNELS=4;NCCL_MAX_NCHANNELS=8"}
 if want tune; then
-  python3 benchmarks/collectives.py 2>&1 | tail -13
+  [[ -n ${COLLECTIVES:-} ]] && python3 benchmarks/collectives.py 2>&1 | tail -13
   BF16=(--model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16)
   bench --gpus=1 --kernels=xla "${BF16[@]}"
   IFS=";" read -r -a settings <<< "$TUNE"
   for setting in "${settings[@]}"; do
-    for z in 1 2; do SETTING=$setting VARIANT=$setting bench --gpus=2 --zero_level=$z "${BF16[@]}"; done
+    for z in 1 2; do SETTING=$setting VARIANT=$setting bench --gpus=2 --zero_level=$z "${BF16[@]}" ${TUNE_FLAGS:-}; done
   done
 fi
 if want fp8; then
@@ -75,9 +76,10 @@ base = {}
 for r in rows:
     if r["devices"] == 1:
         base.setdefault(key(r), r["tokens_per_s"])  # the first one-GPU run of its dtypes
-print(f"{'weights':>8} {'kernels':>20} {'gpus':>4} {'procs':>5} {'zero':>4} {'tok/s':>9} {'per-GPU eff':>11} {'MFU':>6} {'GiB/GPU':>8} {'step ms':>8}  setting")
+print(f"{'weights':>8} {'kernels':>20} {'gpus':>4} {'procs':>5} {'zero':>4} {'tok/s':>9} {'per-GPU eff':>11} {'MFU':>6} {'GiB/GPU':>8} {'step ms':>8} {'exposed':>7}  setting")
 for r in rows:
     eff = r["tokens_per_s"] / (r["devices"] * base[key(r)]) if key(r) in base else float("nan")
+    exposed = r.get("profile", {}).get("exposed_nccl_ms_per_step", float("nan"))
     print(f"{r['model_dtype']:>8} {r['kernels']:>20} {r['devices']:>4} {r['processes']:>5} {r['zero_level']:>4} {r['tokens_per_s']:>9,.0f} "
-          f"{eff:>11.3f} {100 * r['mfu_spec']:>5.1f}% {r['peak_memory_gib_per_device'] or 0:>8.1f} {r['step_ms_median']:>8.1f}  {r.get('variant', '')[:60]}")
+          f"{eff:>11.3f} {100 * r['mfu_spec']:>5.1f}% {r['peak_memory_gib_per_device'] or 0:>8.1f} {r['step_ms_median']:>8.1f} {exposed:>7.1f}  {r.get('variant', '')[:60]}")
 PY

@@ -73,31 +73,34 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def exposed_collective_ns(profile: ProfileData) -> float:
-    """NCCL kernel time during which no other kernel runs on the same GPU, in ns, averaged over
-    the trace's GPUs: the communication the schedule failed to hide behind compute."""
-    per_gpu = []
+def _uncovered(span: tuple[float, float], busy: list[tuple[float, float]]) -> float:
+    """Length of `span` outside the sorted, disjoint intervals `busy`."""
+    start, end = span
+    covered = sum(max(0.0, min(end, b) - max(start, a)) for a, b in busy if a < end and b > start)
+    return end - start - covered
+
+
+def exposed_collectives(profile: ProfileData) -> tuple[float, dict[str, float]]:
+    """NCCL kernel time during which no other kernel runs on the same GPU, in ns averaged over
+    the trace's GPUs (the communication the schedule failed to hide behind compute), and the
+    same split by kernel name."""
+    total, by_name, gpus = 0.0, collections.defaultdict(float), 0
     for plane in profile.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
+        gpus += 1
         comm, compute = [], []
         for line in plane.lines:
             if line.name.startswith("Stream"):
                 for event in line.events:
                     span = (event.start_ns, event.start_ns + event.duration_ns)
-                    (comm if category(event.name) == "nccl" else compute).append(span)
-        exposed, busy, i = 0.0, _union(compute), 0
-        for start, end in _union(comm):
-            covered = 0.0
-            while i < len(busy) and busy[i][1] <= start:
-                i += 1
-            j = i
-            while j < len(busy) and busy[j][0] < end:
-                covered += min(end, busy[j][1]) - max(start, busy[j][0])
-                j += 1
-            exposed += end - start - covered
-        per_gpu.append(exposed)
-    return sum(per_gpu) / len(per_gpu) if per_gpu else 0.0
+                    (comm if category(event.name) == "nccl" else compute).append((span, event.name))
+        busy = _union([span for span, _ in compute])
+        total += sum(_uncovered(span, busy) for span in _union([span for span, _ in comm]))
+        for span, name in comm:
+            by_name[name] += _uncovered(span, busy)
+    gpus = max(gpus, 1)
+    return total / gpus, {name: ns / gpus for name, ns in by_name.items()}
 
 
 def breakdown(log_dir: str, steps: int, top: int = 15) -> dict:
@@ -107,6 +110,7 @@ def breakdown(log_dir: str, steps: int, top: int = 15) -> dict:
         raise FileNotFoundError(f"no *.xplane.pb trace under {log_dir}")
     trace = ProfileData.from_file(files[-1])
     times = kernel_times(trace)
+    exposed, exposed_by_name = exposed_collectives(trace)
     per_step = lambda ns: ns / 1e6 / steps
     cats: dict[str, float] = collections.defaultdict(float)
     for name, (ns, _) in times.items():
@@ -115,7 +119,11 @@ def breakdown(log_dir: str, steps: int, top: int = 15) -> dict:
     return {
         "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
         "device_ms_per_step": sum(cats.values()),
-        "exposed_nccl_ms_per_step": per_step(exposed_collective_ns(trace)),
+        "exposed_nccl_ms_per_step": per_step(exposed),
+        "exposed_nccl_kernels": [
+            (name, per_step(ns))
+            for name, ns in sorted(exposed_by_name.items(), key=lambda kv: -kv[1])
+        ][:5],
         "kernels": [(name, per_step(ns), count // steps) for name, (ns, count) in ranked],
     }
 

@@ -51,6 +51,7 @@ def test_breakdown_sums_stream_kernels_per_step(tmp_path):
     assert out["categories"] == {"gemm": 3.0, "nccl": 2.75, "fusion": 1.0}
     assert out["device_ms_per_step"] == 6.75
     assert out["exposed_nccl_ms_per_step"] == 0.5
+    assert out["exposed_nccl_kernels"] == [("ncclDevKernel_ReduceScatter_Sum_f32", 0.5)]
     name, ms, count = out["kernels"][0]
     assert name.startswith("nvjet") and ms == 3.0 and count == 1
     assert "dot.12" not in {k for k, _, _ in out["kernels"]}  # the XLA Ops line is not counted
