@@ -290,7 +290,11 @@ def build(
     # A Pallas call has no partitioning rule: on several devices it runs per device's tokens
     # (under shard_map over this mesh; None: one call over the whole batch).
     per_device = lambda impl: mesh if impl == "pallas" and mesh.size > 1 else None
-    loss = LmHeadLoss(loss_impl, lmhead_chunks, per_device(loss_impl))
+    # The XLA loss too, without tensor parallelism (which splits the vocab): per device, its
+    # weight gradient is cast to the compute dtype before shard_map sums it across devices,
+    # where XLA's partitioner reduced the fp32 product, twice the bytes.
+    loss_mesh = mesh if mesh.size > 1 and mesh.shape[TENSOR] == 1 else per_device(loss_impl)
+    loss = LmHeadLoss(loss_impl, lmhead_chunks, loss_mesh)
     quantizer = Quantizer(impls["fp8_quantize"], per_device(impls["fp8_quantize"]), BATCH_AXES)
     model_kwargs = dict(
         param_dtype=jnp.dtype(spec.model_dtype),
