@@ -80,15 +80,18 @@ def _uncovered(span: tuple[float, float], busy: list[tuple[float, float]]) -> fl
     return end - start - covered
 
 
-def exposed_collectives(profile: ProfileData) -> tuple[float, dict[str, float]]:
-    """NCCL kernel time during which no other kernel runs on the same GPU, in ns averaged over
-    the trace's GPUs (the communication the schedule failed to hide behind compute), and the
-    same split by kernel name."""
-    total, by_name, gpus = 0.0, collections.defaultdict(float), 0
-    for plane in profile.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        gpus += 1
+def timeline(profile: ProfileData) -> dict:
+    """What the GPUs' timelines show beyond kernel sums, in ns averaged over the trace's GPUs:
+
+    exposed: NCCL kernel time during which no other kernel runs on the same GPU (communication
+      the schedule failed to hide behind compute), and the same by kernel name;
+    idle: time between the first and last kernel with no kernel at all running on the GPU
+      (launch gaps, streams waiting on each other), by the name of the kernel that ends the gap.
+    """
+    exposed, idle = 0.0, 0.0
+    exposed_by, idle_by = collections.defaultdict(float), collections.defaultdict(float)
+    gpus = [p for p in profile.planes if p.name.startswith("/device:GPU")]
+    for plane in gpus:
         comm, compute = [], []
         for line in plane.lines:
             if line.name.startswith("Stream"):
@@ -96,11 +99,23 @@ def exposed_collectives(profile: ProfileData) -> tuple[float, dict[str, float]]:
                     span = (event.start_ns, event.start_ns + event.duration_ns)
                     (comm if category(event.name) == "nccl" else compute).append((span, event.name))
         busy = _union([span for span, _ in compute])
-        total += sum(_uncovered(span, busy) for span in _union([span for span, _ in comm]))
+        exposed += sum(_uncovered(span, busy) for span in _union([span for span, _ in comm]))
         for span, name in comm:
-            by_name[name] += _uncovered(span, busy)
-    gpus = max(gpus, 1)
-    return total / gpus, {name: ns / gpus for name, ns in by_name.items()}
+            exposed_by[name] += _uncovered(span, busy)
+        end = None
+        for (start, stop), name in sorted(comm + compute):
+            if end is not None and start > end:
+                idle += start - end
+                idle_by[name] += start - end
+            end = stop if end is None else max(end, stop)
+    n = max(len(gpus), 1)
+    top = lambda d: {k: v / n for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:5]}
+    return {
+        "exposed_nccl": exposed / n,
+        "exposed_nccl_by_kernel": top(exposed_by),
+        "idle": idle / n,
+        "idle_before_kernel": top(idle_by),
+    }
 
 
 def breakdown(log_dir: str, steps: int, top: int = 15) -> dict:
@@ -110,7 +125,7 @@ def breakdown(log_dir: str, steps: int, top: int = 15) -> dict:
         raise FileNotFoundError(f"no *.xplane.pb trace under {log_dir}")
     trace = ProfileData.from_file(files[-1])
     times = kernel_times(trace)
-    exposed, exposed_by_name = exposed_collectives(trace)
+    lines = timeline(trace)
     per_step = lambda ns: ns / 1e6 / steps
     cats: dict[str, float] = collections.defaultdict(float)
     for name, (ns, _) in times.items():
@@ -119,11 +134,12 @@ def breakdown(log_dir: str, steps: int, top: int = 15) -> dict:
     return {
         "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
         "device_ms_per_step": sum(cats.values()),
-        "exposed_nccl_ms_per_step": per_step(exposed),
+        "exposed_nccl_ms_per_step": per_step(lines["exposed_nccl"]),
         "exposed_nccl_kernels": [
-            (name, per_step(ns))
-            for name, ns in sorted(exposed_by_name.items(), key=lambda kv: -kv[1])
-        ][:5],
+            (k, per_step(v)) for k, v in lines["exposed_nccl_by_kernel"].items()
+        ],
+        "idle_ms_per_step": per_step(lines["idle"]),
+        "idle_before_kernels": [(k, per_step(v)) for k, v in lines["idle_before_kernel"].items()],
         "kernels": [(name, per_step(ns), count // steps) for name, (ns, count) in ranked],
     }
 
@@ -133,8 +149,11 @@ def format_breakdown(result: dict) -> str:
     lines = [f"device kernel time {result['device_ms_per_step']:.1f} ms/step (all streams)"]
     lines += [f"  {cat:>10} {ms:8.2f} ms" for cat, ms in result["categories"].items()]
     lines.append(
-        f"  NCCL time with no other kernel running: {result['exposed_nccl_ms_per_step']:.2f} ms"
+        f"  NCCL with no other kernel running: {result['exposed_nccl_ms_per_step']:.2f} ms"
     )
+    lines += [f"  {ms:8.2f}  exposed  {name[:90]}" for name, ms in result["exposed_nccl_kernels"]]
+    lines.append(f"  no kernel running: {result['idle_ms_per_step']:.2f} ms, ended by:")
+    lines += [f"  {ms:8.2f}  idle     {name[:90]}" for name, ms in result["idle_before_kernels"]]
     lines.append("  top kernels (ms/step, launches/step, category):")
     for name, ms, count in result["kernels"]:
         lines.append(f"  {ms:8.2f} {count:5d}  {category(name):>9}  {name[:90]}")

@@ -8,7 +8,8 @@ from jaxllmq import profile
 
 # Two steps of a fake GPU trace: a gemm of 3 ms and a fusion of 1 ms per step on the compute
 # stream, NCCL kernels of 2.75 ms per step on another (1 ms of the second runs while the compute
-# stream is idle), and an "XLA Ops" line that repeats them.
+# stream is idle), 0.5 ms with nothing running before the last fusion, and an "XLA Ops" line that
+# repeats them.
 TRACE = """
 planes {
   id: 1
@@ -17,7 +18,7 @@ planes {
     events { metadata_id: 1 offset_ps: 0 duration_ps: 3000000000 }
     events { metadata_id: 2 offset_ps: 3000000000 duration_ps: 1000000000 }
     events { metadata_id: 1 offset_ps: 5000000000 duration_ps: 3000000000 }
-    events { metadata_id: 2 offset_ps: 8000000000 duration_ps: 1000000000 }
+    events { metadata_id: 2 offset_ps: 8500000000 duration_ps: 1000000000 }
   }
   lines { id: 2 name: "Stream #20(MemcpyP2P)" timestamp_ns: 0
     events { metadata_id: 3 offset_ps: 0 duration_ps: 4000000000 }
@@ -52,6 +53,8 @@ def test_breakdown_sums_stream_kernels_per_step(tmp_path):
     assert out["device_ms_per_step"] == 6.75
     assert out["exposed_nccl_ms_per_step"] == 0.5
     assert out["exposed_nccl_kernels"] == [("ncclDevKernel_ReduceScatter_Sum_f32", 0.5)]
+    assert out["idle_ms_per_step"] == 0.25
+    assert out["idle_before_kernels"] == [("loop_multiply_fusion_3", 0.25)]
     name, ms, count = out["kernels"][0]
     assert name.startswith("nvjet") and ms == 3.0 and count == 1
     assert "dot.12" not in {k for k, _, _ in out["kernels"]}  # the XLA Ops line is not counted
