@@ -150,8 +150,9 @@ def test_resolve_impl():
     assert resolve_impl("auto", "lm_head_loss", platform="cpu") == "xla"
     for kernel in ("rms_norm", "lm_head_loss", "fp8_quantize"):
         assert resolve_impl("auto", kernel, platform="gpu") == "pallas"  # measured faster
-        # Pallas calls have no SPMD partitioning rule: auto keeps XLA under a multi-device mesh.
-        assert resolve_impl("auto", kernel, platform="gpu", num_devices=8) == "xla"
+        # On several GPUs only the fp8 quantize pass measured faster as Pallas (per device).
+        expect = "pallas" if kernel == "fp8_quantize" else "xla"
+        assert resolve_impl("auto", kernel, platform="gpu", num_devices=8) == expect
     with pytest.raises(ValueError, match="auto, pallas or xla"):
         resolve_impl("triton", "rms_norm")
     # Per kernel: the one named is as asked, the other auto.
