@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 12 on an nvidia-h200-x8 machine (8 H200s of one host). Sections, each under 10 minutes:
-#   1b     Llama-3.2-1B shapes, B=8 x 2048 per GPU, unrolled, fp32 master: tokens/s per GPU on
-#          1, 2, 4 and 8 GPUs at ZeRO-1/2/3, efficiency 1 -> N against the one-GPU run
+#   1b     Llama-3.2-1B shapes, B=8 x 2048 per GPU, unrolled, bf16 weights and moments (as the
+#          two-GPU tables): tokens/s per GPU on 1, 2, 4 and 8 GPUs at ZeRO-1/2/3, efficiency
+#          1 -> N against the one-GPU run
 #   8b     Llama-3.1-8B shapes, seq 8192, B=1 per GPU, ZeRO-3 on 8 GPUs, bf16 and e4m3 (the fp8
-#          quantize pass in XLA, then per GPU in Pallas; with --recompute_block only if the plain
-#          run does not fit), then TP=2 x ZeRO-3 and TP=8
+#          quantize pass per GPU in Pallas, as auto picks, then in XLA; with --recompute_block
+#          only if the plain run does not fit), then TP=2 x ZeRO-3 and TP=8
 #   procs  8 processes x 1 GPU through launch/local.sh against 1 process x 8 GPUs: the same
 #          20 training steps of the 1B on the quickstart corpus, losses compared step by step
 # Usage: bash benchmarks/gpu_scaling_x8.sh [1b] [8b] [procs]   (default: all; JSON in $OUT)
@@ -21,16 +22,17 @@ bench() {  # label, flags... -> one JSON line (with "label") in $OUT/x8.jsonl; r
 }
 
 if want 1b; then
-  B1=(--model=llama-3.2-1b --batch_size=8 --seq_len=2048 --noscan_layers --bench_steps=12)
+  B1=(--model=llama-3.2-1b --batch_size=8 --seq_len=2048 --noscan_layers --bench_steps=12
+      --model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16)
   bench 1b-g1 "${B1[@]}" --gpus=1 --kernels=xla
   for g in 2 4 8; do for z in 1 2 3; do bench "1b-g$g-z$z" "${B1[@]}" --gpus=$g --zero_level=$z; done; done
 fi
 
 if want 8b; then
   B8=(--model=llama-3.1-8b --batch_size=1 --seq_len=8192 --noscan_layers --gpus=8 --bench_steps=8 --bench_warmup=2)
-  for mm in bfloat16 e4m3 e4m3-pallasq; do  # e4m3-pallasq: the fp8 quantize pass per GPU in Pallas
-    f=(--matmul_dtype=${mm%-pallasq})
-    [[ $mm == *-pallasq ]] && f+=(--kernels=fp8_quantize=pallas)
+  for mm in bfloat16 e4m3 e4m3-xlaq; do  # e4m3-xlaq: the fp8 quantize pass in XLA
+    f=(--matmul_dtype=${mm%-xlaq})
+    [[ $mm == *-xlaq ]] && f+=(--kernels=fp8_quantize=xla)
     bench "8b-z3-$mm" "${B8[@]}" --zero_level=3 "${f[@]}" ||
       bench "8b-z3-$mm-recompute" "${B8[@]}" --zero_level=3 "${f[@]}" --recompute_block
   done
