@@ -8,6 +8,7 @@ state and step through train.build, the code path a training run uses.
 """
 
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from jax.experimental.profiler import get_profiled_instructions_proto
 
 from jaxllmq import config, profile, train, xla_flags
 from jaxllmq.data.pipeline import to_global_arrays
@@ -40,6 +42,14 @@ _profile_top = flags.DEFINE_integer(
     15,
     "With --profile_steps: how many of the longest kernels to list.",
     lower_bound=1,
+)
+_pgle_steps = flags.DEFINE_integer(
+    "pgle_steps",
+    0,
+    "Profile-guided scheduling: after compiling, trace this many steps and compile again with "
+    "their measured kernel and collective times (XLA's profile-guided latency estimator), then "
+    "time that program. 0: off.",
+    lower_bound=0,
 )
 _measure_ceiling = flags.DEFINE_bool(
     "measure_matmul_ceiling", True, "On GPU, time an 8192^3 bf16 matmul as the practical peak."
@@ -149,6 +159,22 @@ def start_from_flags(argv: list[str]) -> tuple[config.ModelSpec, ModelConfig, co
     return spec, load_model_config(spec.model), mesh_cfg
 
 
+def profile_guided(built: train.Compiled, state, batch, step, steps: int):
+    """(state, step compiled again with `steps` traced steps' measured op times as XLA's
+    latency estimates). The latency-hiding scheduler otherwise estimates collectives from link
+    speeds alone, which misses how much slower they run beside GEMMs."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with profile.trace_steps(trace_dir):
+            for _ in range(steps):
+                state, m = step(state, batch)
+            jax.block_until_ready(m)
+        path = os.path.join(trace_dir, "pgle.pb")
+        with open(path, "wb") as f:
+            f.write(get_profiled_instructions_proto(trace_dir))
+        options = {"xla_gpu_pgle_profile_file_or_directory_path": path}
+        return state, built.train_step.lower(state, batch).compile(options)
+
+
 def run_bench(
     model_cfg: ModelConfig,
     spec: config.ModelSpec,
@@ -167,6 +193,7 @@ def run_bench(
     lmhead_chunks: int = 1,
     profile_steps: int = 0,
     profile_top: int = 15,
+    pgle_steps: int = 0,
 ) -> dict:
     """Compile, warm up and time the train step; returns the measurements."""
     mesh = make_mesh(gpus, tensor_parallel=tensor_parallel)
@@ -190,6 +217,8 @@ def run_bench(
     step = built.train_step.lower(built.state, batch).compile()
     compile_s = time.perf_counter() - t0
     state, losses = built.state, []
+    if pgle_steps:
+        state, step = profile_guided(built, state, batch, step, pgle_steps)
     for _ in range(warmup):
         state, m = step(state, batch)
     jax.block_until_ready(m)
@@ -241,6 +270,7 @@ def run_bench(
         "kernels": kernels,
         "kernels_used": train.kernel_choices(kernels, mesh),  # what auto resolved to here
         "lmhead_chunks": lmhead_chunks,
+        "pgle_steps": pgle_steps,
         "tokens_per_s": tokens_per_s,
         "step_ms_mean": 1000 * total_s / steps,
         "step_ms_median": 1000 * statistics.median(per_step),
@@ -281,6 +311,7 @@ def main(argv: list[str]) -> None:
         lmhead_chunks=F.lmhead_chunks,
         profile_steps=_profile_steps.value,
         profile_top=_profile_top.value,
+        pgle_steps=_pgle_steps.value,
     )
     if jax.process_index() != 0:
         return

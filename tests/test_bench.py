@@ -25,8 +25,9 @@ def test_bench_reports_throughput_and_a_falling_loss():
         warmup=1,
         ceiling=False,
         profile_steps=1,
+        pgle_steps=1,  # traced, then compiled again with the (on CPU: empty) measured times
     )
-    assert out["devices"] == 8  # the test's fake CPU devices
+    assert out["devices"] == 8 and out["pgle_steps"] == 1  # the test's fake CPU devices
     tokens_per_step = 2 * 1 * 8 * 32
     assert (
         abs(out["tokens_per_s"] * out["step_ms_mean"] / 1000 - tokens_per_step)
