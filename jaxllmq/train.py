@@ -253,8 +253,10 @@ def gather_embed_below(vocab: int, mesh: jax.sharding.Mesh, zero_level: int) -> 
     Per device, the gather receives (n - 1) x tokens/n x D elements for n batch devices; the
     table's reduction (n - 1)/n x V x D as a reduce-scatter (ZeRO-2/3), twice that as an
     all-reduce (ZeRO-1, gradients replicated). So: gather below V tokens, or 2V at ZeRO-1.
+    Not under tensor parallelism: the vocab-split table's lookup is summed over the tensor axis,
+    which for the whole batch would cost the forward pass what the backward saves (unmeasured).
     """
-    if mesh.shape[DATA] * mesh.shape[FSDP] == 1:
+    if mesh.shape[DATA] * mesh.shape[FSDP] == 1 or mesh.shape[TENSOR] > 1:
         return 0
     return vocab * (2 if zero_level == 1 else 1)
 

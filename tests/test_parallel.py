@@ -118,6 +118,7 @@ def test_embedding_backward_gathers_the_tokens_gradients():
     assert train.gather_embed_below(V, make_mesh(8), 1) == 2 * V
     assert train.gather_embed_below(V, make_mesh(8), 3) == V
     assert train.gather_embed_below(V, make_mesh(1), 1) == 0
+    assert train.gather_embed_below(V, make_mesh(8, tensor_parallel=2), 1) == 0
 
 
 def test_tensor_parallel_that_does_not_divide_is_refused():
