@@ -12,6 +12,7 @@ import collections
 import contextlib
 import glob
 import os
+import re
 from collections.abc import Iterator
 
 import jax
@@ -84,7 +85,8 @@ def timeline(profile: ProfileData) -> dict:
     """What the GPUs' timelines show beyond kernel sums, in ns averaged over the trace's GPUs:
 
     exposed: NCCL kernel time during which no other kernel runs on the same GPU (communication
-      the schedule failed to hide behind compute), and the same by kernel name;
+      the schedule failed to hide behind compute), and the same by kernel name, with the HLO op
+      that launched it in brackets where the trace records one (its `hlo_op` stat);
     idle: time between the first and last kernel with no kernel at all running on the GPU
       (launch gaps, streams waiting on each other), by the name of the kernel that ends the gap.
     """
@@ -97,7 +99,11 @@ def timeline(profile: ProfileData) -> dict:
             if line.name.startswith("Stream"):
                 for event in line.events:
                     span = (event.start_ns, event.start_ns + event.duration_ns)
-                    (comm if category(event.name) == "nccl" else compute).append((span, event.name))
+                    if category(event.name) == "nccl":
+                        op = dict(event.stats).get("hlo_op")
+                        comm.append((span, f"{event.name} [{op}]" if op else event.name))
+                    else:
+                        compute.append((span, event.name))
         busy = _union([span for span, _ in compute])
         exposed += sum(_uncovered(span, busy) for span in _union([span for span, _ in comm]))
         for span, name in comm:
@@ -109,7 +115,7 @@ def timeline(profile: ProfileData) -> dict:
                 idle_by[name] += start - end
             end = stop if end is None else max(end, stop)
     n = max(len(gpus), 1)
-    top = lambda d: {k: v / n for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:5]}
+    top = lambda d: {k: v / n for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:5] if v > 0}
     return {
         "exposed_nccl": exposed / n,
         "exposed_nccl_by_kernel": top(exposed_by),
@@ -151,10 +157,27 @@ def format_breakdown(result: dict) -> str:
     lines.append(
         f"  NCCL with no other kernel running: {result['exposed_nccl_ms_per_step']:.2f} ms"
     )
-    lines += [f"  {ms:8.2f}  exposed  {name[:90]}" for name, ms in result["exposed_nccl_kernels"]]
+    shapes = result.get("exposed_nccl_shapes", {})
+    lines += [
+        f"  {ms:8.2f}  exposed  {name[:90]} {shapes.get(name, '')[:80]}"
+        for name, ms in result["exposed_nccl_kernels"]
+    ]
     lines.append(f"  no kernel running: {result['idle_ms_per_step']:.2f} ms, ended by:")
     lines += [f"  {ms:8.2f}  idle     {name[:90]}" for name, ms in result["idle_before_kernels"]]
     lines.append("  top kernels (ms/step, launches/step, category):")
     for name, ms, count in result["kernels"]:
         lines.append(f"  {ms:8.2f} {count:5d}  {category(name):>9}  {name[:90]}")
     return "\n".join(lines)
+
+
+def op_shapes(hlo_text: str, names: list[str]) -> dict[str, str]:
+    """For each "kernel [hlo op]" name, the op's result type in the compiled module's text
+    (e.g. "bf16[16,2048,8192]"), where it is found: which tensor an exposed collective moved."""
+    out = {}
+    for name in names:
+        match = re.search(r"\[(.+)\]$", name)
+        if match:
+            found = re.search(rf"%{re.escape(match.group(1))} = (.+?) [a-z][a-z-]*\(", hlo_text)
+            if found:
+                out[name] = found.group(1)
+    return out

@@ -22,7 +22,8 @@ planes {
   }
   lines { id: 2 name: "Stream #20(MemcpyP2P)" timestamp_ns: 0
     events { metadata_id: 3 offset_ps: 0 duration_ps: 4000000000 }
-    events { metadata_id: 3 offset_ps: 4000000000 duration_ps: 1500000000 }
+    events { metadata_id: 3 offset_ps: 4000000000 duration_ps: 1500000000
+             stats { metadata_id: 9 str_value: "reduce-scatter-start.2" } }
   }
   lines { id: 3 name: "XLA Ops" timestamp_ns: 0
     events { metadata_id: 4 offset_ps: 0 duration_ps: 9000000000 }
@@ -31,6 +32,7 @@ planes {
   event_metadata { key: 2 value { id: 2 name: "loop_multiply_fusion_3" } }
   event_metadata { key: 3 value { id: 3 name: "ncclDevKernel_ReduceScatter_Sum_f32" } }
   event_metadata { key: 4 value { id: 4 name: "dot.12" } }
+  stat_metadata { key: 9 value { id: 9 name: "hlo_op" } }
 }
 planes { id: 2 name: "/host:CPU" }
 """
@@ -52,7 +54,10 @@ def test_breakdown_sums_stream_kernels_per_step(tmp_path):
     assert out["categories"] == {"gemm": 3.0, "nccl": 2.75, "fusion": 1.0}
     assert out["device_ms_per_step"] == 6.75
     assert out["exposed_nccl_ms_per_step"] == 0.5
-    assert out["exposed_nccl_kernels"] == [("ncclDevKernel_ReduceScatter_Sum_f32", 0.5)]
+    name = "ncclDevKernel_ReduceScatter_Sum_f32 [reduce-scatter-start.2]"  # the op, from its stat
+    assert out["exposed_nccl_kernels"] == [(name, 0.5)]
+    hlo = "  %reduce-scatter-start.2 = (f32[8,256]{1,0}, f32[4,256]{1,0}) reduce-scatter-start(%p)"
+    assert profile.op_shapes(hlo, [name]) == {name: "(f32[8,256]{1,0}, f32[4,256]{1,0})"}
     assert out["idle_ms_per_step"] == 0.25
     assert out["idle_before_kernels"] == [("loop_multiply_fusion_3", 0.25)]
     name, ms, count = out["kernels"][0]
