@@ -19,7 +19,7 @@ from jaxllmq.model.config import load_model_config
 from jaxllmq.optim import check_nonfinite
 from jaxllmq.parallel.mesh import make_mesh, replicated
 from jaxllmq.telemetry import Nvml, device_records
-from jaxllmq.train import Batch, build
+from jaxllmq.train import Batch, build, kernel_choices
 
 
 class Trainer:
@@ -104,6 +104,7 @@ class Trainer:
             device_kind=jax.devices()[0].device_kind,
             processes=jax.process_count(),
             jax_version=jax.__version__,
+            kernels=kernel_choices(cfg.kernels, self.mesh),  # what --kernels resolved to here
         )
         self._log_gpu(0)
         self.log.record(

@@ -77,6 +77,8 @@ def test_train_end_to_end(shards, tmp_path):
         records = [json.loads(line) for line in f]
     kinds = {r["log"] for r in records}
     assert {"cmd", "options", "model", "gpu", "dataset", "step", "eval"} <= kinds
+    model = next(r for r in records if r["log"] == "model")
+    assert model["kernels"] == {"rms_norm": "xla", "lm_head_loss": "xla", "fp8_quantize": "xla"}
     gpus = [r for r in records if r["log"] == "gpu"]
     assert [r["step"] for r in gpus] == [0, 10, 20, 30]  # at start, then every --log_gpu_util
     for gpu in gpus:
