@@ -27,8 +27,6 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxllmq.optim import all_finite
-
 HOST, DEVICE = "pinned_host", "device"
 LAYERS = "layers"  # the params' key for the per-layer weights, stacked on a leading [L] axis
 
@@ -172,7 +170,8 @@ class Streams:
         """(params, opt_state, grad norm) after one optimizer step on grad_sums / denom, applied
         one layer at a time."""
         grads = jax.tree.map(lambda g: g / denom, grad_sums)
-        norm, finite = optax.tree.norm(grads), all_finite(grads)
+        norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(norm)
         param_flags, state_flags = _is_layer(params), self._flags(opt_state, params)
 
         def piece(pick, params, opt_state):

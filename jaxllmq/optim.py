@@ -231,8 +231,13 @@ def make_optimizer(
         )
 
     def update(grads, state: OptState, params=None, *, grad_norm=None, finite=None):
+        if grad_norm is None:
+            grad_norm = optax.tree.norm(grads)
         if finite is None:
-            finite = all_finite(grads)
+            # A NaN or Inf anywhere makes the norm non-finite: one reduction over the gradients
+            # serves the clip and this test. (So does a norm that overflows, where the step
+            # could not be taken anyway.)
+            finite = jnp.isfinite(grad_norm)
         updates, new_inner = inner.update(grads, state.inner, params, grad_norm=grad_norm)
         # A select rather than lax.cond: it fuses into the elementwise Adam update, keeps the
         # donated buffers aliased, and never lets a NaN through (jnp.where does not propagate
@@ -252,11 +257,6 @@ def make_optimizer(
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
-
-
-def all_finite(grads) -> jax.Array:
-    """Whether every gradient is finite (a step with a NaN or Inf is skipped)."""
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
 
 
 def nonfinite_counts(opt_state: OptState) -> tuple[jax.Array, jax.Array]:

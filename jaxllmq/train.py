@@ -158,8 +158,11 @@ def make_train_step(
         denom = jnp.maximum(tokens, 1).astype(jnp.float32)
         if streams is None:
             grads = jax.tree.map(lambda g: g / denom, grads)
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            params, norm = optax.apply_updates(state.params, updates), optax.tree.norm(grads)
+            norm = optax.tree.norm(grads)
+            updates, opt_state = optimizer.update(
+                grads, state.opt_state, state.params, grad_norm=norm
+            )
+            params = optax.apply_updates(state.params, updates)
         else:
             params, opt_state, norm = streams.update(grads, denom, state.opt_state, state.params)
         consecutive, total = nonfinite_counts(opt_state)
