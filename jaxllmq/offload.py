@@ -171,18 +171,18 @@ class Streams:
         one layer at a time."""
         grads = jax.tree.map(lambda g: g / denom, grad_sums)
         norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(norm)
         param_flags, state_flags = _is_layer(params), self._flags(opt_state, params)
 
         def piece(pick, params, opt_state):
             # The optimizer over one piece (a layer, or the non-layer parameters), with the whole
-            # gradients' norm and finiteness: the same arithmetic as one update of all of it.
+            # gradients' norm (which also decides whether the step is skipped): the same
+            # arithmetic as one update of all of it.
             p = jax.tree.map(pick, params, param_flags, self.param_shardings)
             st = jax.tree.map(pick, opt_state, state_flags, self.opt_shardings)
             # Divided here, not before the loop: XLA folds the division into the clip's as it
             # does on the device, and the update's arithmetic stays the same, bit for bit.
             g = jax.tree.map(lambda x, f: pick(x, f, None) / denom, grad_sums, param_flags)
-            u, st = self.optimizer.update(g, st, p, grad_norm=norm, finite=finite)
+            u, st = self.optimizer.update(g, st, p, grad_norm=norm)
             return optax.apply_updates(p, u), st
 
         def home(tree, flags, shardings, layer: bool):

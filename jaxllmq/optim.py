@@ -200,7 +200,7 @@ def make_optimizer(
 
     Its `update` needs `params` when weight_decay > 0. The lr the next update applies is
     `lr_schedule(cfg, total_steps)(opt_state.count)`. Given part of the gradients (one layer),
-    `update` takes the whole gradients' `grad_norm` and `finite` as keywords.
+    `update` takes the whole gradients' `grad_norm` as a keyword (it decides the skip too).
     """
     schedule = lr_schedule(cfg, total_steps)
     parts = []
@@ -230,14 +230,13 @@ def make_optimizer(
             inner=inner.init(params),
         )
 
-    def update(grads, state: OptState, params=None, *, grad_norm=None, finite=None):
+    def update(grads, state: OptState, params=None, *, grad_norm=None):
         if grad_norm is None:
             grad_norm = optax.tree.norm(grads)
-        if finite is None:
-            # A NaN or Inf anywhere makes the norm non-finite: one reduction over the gradients
-            # serves the clip and this test. (So does a norm that overflows, where the step
-            # could not be taken anyway.)
-            finite = jnp.isfinite(grad_norm)
+        # A NaN or Inf anywhere makes the norm non-finite: one reduction over the gradients
+        # serves the clip and this test. (So does a norm that overflows, where the step could
+        # not be taken anyway.)
+        finite = jnp.isfinite(grad_norm)
         updates, new_inner = inner.update(grads, state.inner, params, grad_norm=grad_norm)
         # A select rather than lax.cond: it fuses into the elementwise Adam update, keeps the
         # donated buffers aliased, and never lets a NaN through (jnp.where does not propagate
