@@ -48,19 +48,25 @@ def trace_steps(log_dir: str) -> Iterator[None]:
         jax.profiler.stop_trace()
 
 
+def _gpu_planes(profile: ProfileData) -> list:
+    return [p for p in profile.planes if p.name.startswith("/device:GPU")]
+
+
+def _kernels(plane) -> Iterator:
+    """One GPU's kernel events: its stream lines ("XLA Ops"/"XLA Modules" lines repeat them as
+    ops)."""
+    for line in plane.lines:
+        if line.name.startswith("Stream"):
+            yield from line.events
+
+
 def kernel_times(profile: ProfileData) -> dict[str, tuple[float, int]]:
     """Total ns and launch count per kernel name over every GPU stream of the trace."""
     out: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
-    for plane in profile.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            # Stream lines hold the kernels; "XLA Ops"/"XLA Modules" lines repeat them as ops.
-            if not line.name.startswith("Stream"):
-                continue
-            for event in line.events:
-                out[event.name][0] += event.duration_ns
-                out[event.name][1] += 1
+    for plane in _gpu_planes(profile):
+        for event in _kernels(plane):
+            out[event.name][0] += event.duration_ns
+            out[event.name][1] += 1
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
@@ -92,18 +98,16 @@ def timeline(profile: ProfileData) -> dict:
     """
     exposed, idle = 0.0, 0.0
     exposed_by, idle_by = collections.defaultdict(float), collections.defaultdict(float)
-    gpus = [p for p in profile.planes if p.name.startswith("/device:GPU")]
+    gpus = _gpu_planes(profile)
     for plane in gpus:
         comm, compute = [], []
-        for line in plane.lines:
-            if line.name.startswith("Stream"):
-                for event in line.events:
-                    span = (event.start_ns, event.start_ns + event.duration_ns)
-                    if category(event.name) == "nccl":
-                        op = dict(event.stats).get("hlo_op")
-                        comm.append((span, f"{event.name} [{op}]" if op else event.name))
-                    else:
-                        compute.append((span, event.name))
+        for event in _kernels(plane):
+            span = (event.start_ns, event.start_ns + event.duration_ns)
+            if category(event.name) == "nccl":
+                op = dict(event.stats).get("hlo_op")
+                comm.append((span, f"{event.name} [{op}]" if op else event.name))
+            else:
+                compute.append((span, event.name))
         busy = _union([span for span, _ in compute])
         exposed += sum(_uncovered(span, busy) for span in _union([span for span, _ in comm]))
         for span, name in comm:
