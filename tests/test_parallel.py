@@ -121,6 +121,17 @@ def test_embedding_backward_gathers_the_tokens_gradients():
     assert train.gather_embed_below(V, make_mesh(8, tensor_parallel=2), 1) == 0
 
 
+def test_xla_loss_runs_per_device_without_tensor_parallelism():
+    """Its [D, V] weight gradient is summed across devices after the cast to the compute dtype
+    (shard_map), not as the fp32 product XLA's partitioner would reduce; under tensor
+    parallelism (vocab split) it stays with the partitioner."""
+    for tp, per_device in ((1, True), (2, False)):
+        built = _build(8, 1, tp)
+        batch = jax.device_put(BATCHES[0], built.batch_sharding)
+        lowered = built.train_step.lower(built.state, batch).as_text()
+        assert ("manual_computation" in lowered) == per_device, tp
+
+
 def test_tensor_parallel_that_does_not_divide_is_refused():
     with pytest.raises(ValueError, match="does not divide num_key_value_heads"):
         _build(8, 1, tp=8)
