@@ -1,9 +1,8 @@
 """Fused kernels for the hot paths, each beside a pure-JAX reference that referees it.
 
-The model calls `rms_norm`, `lm_head_loss` and (fp8 block linears) `fp8_quantize.quantize_both`
-with an `impl` chosen once by `resolve_impl` from the trainer's `--kernels=auto|pallas|xla`.
-(`rms_norm.add_rms_norm`, the norm with the residual add fused in, is measured in
-benchmarks/kernels.py; the decoder layer does not call it yet.)
+The model calls `rms_norm`, `add_rms_norm` (the post-attention residual add fused into its norm),
+`lm_head_loss` and (fp8 block linears) `fp8_quantize.quantize_both` with an `impl` chosen once by
+`resolve_impl` from the trainer's `--kernels=auto|pallas|xla`.
 """
 
 import jax

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxllmq.kernels.rms_norm import rms_norm
+from jaxllmq.kernels.rms_norm import add_rms_norm, rms_norm
 from jaxllmq.model import fp8, fp8_delayed
 from jaxllmq.model.config import ModelConfig, rope_inv_freq
 from jaxllmq.model.recompute import ATT, FFN, NORM, QKV, RESID, SWIGLU, Recompute
@@ -132,9 +132,11 @@ def decoder_layer(
     )
     o_BxTxNxH = checkpoint_name(o_BxTxNxH, ATT)
     o_BxTxD = linear(o_BxTxNxH.reshape(B, T, N * H), w["o_proj"], "o_proj")
-    x_BxTxD = checkpoint_name(x_BxTxD + o_BxTxD, RESID)
-
-    h_BxTxD = rms_norm(x_BxTxD, w["post_attention_layernorm"], eps, impl=norm_impl)
+    # The residual add and the norm in one pass (one Pallas kernel under --kernels=pallas).
+    h_BxTxD, x_BxTxD = add_rms_norm(
+        x_BxTxD, o_BxTxD, w["post_attention_layernorm"], eps, impl=norm_impl
+    )
+    x_BxTxD = checkpoint_name(x_BxTxD, RESID)
     h_BxTxD = checkpoint_name(h_BxTxD, NORM)
     gate_BxTxF = checkpoint_name(linear(h_BxTxD, w["gate_proj"], "gate_proj"), FFN)
     up_BxTxF = checkpoint_name(linear(h_BxTxD, w["up_proj"], "up_proj"), FFN)
