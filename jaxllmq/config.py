@@ -103,7 +103,8 @@ _kernels = flags.DEFINE_string(
 _lmhead_chunks = flags.DEFINE_integer(
     "lmhead_chunks",
     1,
-    "Compute the LM-head loss over this many token chunks, never holding all logits (saves memory).",
+    "Compute the LM-head loss over at least this many token chunks (saves memory; the Pallas "
+    "loss uses chunks of at most 8192 tokens anyway and never holds the logits).",
     lower_bound=1,
 )
 _batch_size = flags.DEFINE_integer(

@@ -36,9 +36,11 @@ class LmHeadPallasConfig:
     group_m: int = 32  # token blocks that sweep the vocabulary together (L2 reuse of h)
     num_warps: int = 8
     num_stages: int = 3
-    # Most tokens whose q (softmax tiles) is held at once in the gradient. On H200 2048 ran as
-    # fast as 4096 at hidden 2048 (2% slower at 896) with 1.2 GiB of temporaries instead of 3.1.
-    chunk_tokens: int = 2048
+    # Most tokens whose q (softmax tiles) is held at once in the gradient. Each chunk's weight
+    # gradient GEMM adds into the fp32 [D, V] accumulator, so fewer chunks read and write it
+    # less: on the 1B step (H200) 8192 against 2048 cut the kernels ~4 ms a step (+0.9% tokens/s)
+    # for 3 GiB (docs/PERFORMANCE.md). --lmhead_chunks splits further where memory is short.
+    chunk_tokens: int = 8192
     interpret: bool = False
 
 
