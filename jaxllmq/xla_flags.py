@@ -19,6 +19,10 @@ DEFAULTS = {
     # Schedule async collectives against compute, so the per-layer gradient reductions
     # overlap with the rest of the backward pass.
     "xla_gpu_enable_latency_hiding_scheduler": "true",
+    # All-reduces combined up to 64 MiB, not larger: the last one of the backward pass, which
+    # nothing hides, is smaller. ZeRO-1 on two H200s: exposed NCCL 5.9 -> 3.9 ms a step,
+    # scaling efficiency 0.940 -> 0.947 (two runs each, same call).
+    "xla_gpu_all_reduce_combine_threshold_bytes": str(64 * 2**20),
 }
 
 
