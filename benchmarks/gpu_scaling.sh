@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On an nvidia-h200-x2 machine: the 1B train step (unrolled layers, as the pretrain flagfile) on
 # 1 GPU, on 2 GPUs in one process at ZeRO-1/2/3 (the 2-GPU ZeRO-1 run also profiled: NCCL time),
-# and on 2 processes x 1 GPU (ZeRO-1, ZeRO-3); fp32 master weights, then pure bf16 weights and
-# moments. One JSON line per run in $OUT/scaling.jsonl; a table at the end. Efficiency is against
-# 1 GPU with the same weights and kernels (XLA's: a Pallas call has no SPMD rule, see kernels/).
+# and on 2 processes x 1 GPU (fp32: ZeRO-1 and 3; bf16: ZeRO-1, 2 and 3); fp32 master weights,
+# then pure bf16 weights and moments. One JSON line per run in $OUT/scaling.jsonl; a table at the
+# end. Efficiency is against 1 GPU with the same weights and kernels (XLA's, as auto picks on
+# several GPUs: see kernels/).
 # NCCL settings pass through the environment, e.g. `NCCL_PROTO=Simple bash benchmarks/gpu_scaling.sh`
 # (the 04:47 UTC profile showed the per-layer all-reduces running NCCL's ring LL protocol).
 # Usage: bash benchmarks/gpu_scaling.sh [fp32] [bf16] [tune] [fp8]   (default: fp32 bf16)
@@ -48,6 +49,7 @@ if want bf16; then
   bench --gpus=2 --zero_level=1 --profile_steps=2 "${BF16[@]}"
   grep -A14 "device kernel time" "$OUT/err.txt"
   for z in 2 3; do bench --gpus=2 --zero_level=$z "${BF16[@]}"; done
+  for z in 1 2 3; do two_procs $z "${BF16[@]}"; done
 fi
 TUNE=${TUNE:-"A=1;NCCL_MAX_NCHANNELS=4;NCCL_MAX_NCHANNELS=8"}
 if want tune; then
