@@ -3,8 +3,8 @@
 # 1 GPU, on 2 GPUs in one process at ZeRO-1/2/3 (the 2-GPU ZeRO-1 run also profiled: NCCL time),
 # and on 2 processes x 1 GPU (fp32: ZeRO-1 and 3; bf16: ZeRO-1, 2 and 3); fp32 master weights,
 # then pure bf16 weights and moments. One JSON line per run in $OUT/scaling.jsonl; a table at the
-# end. Efficiency is against 1 GPU with the same weights and kernels (XLA's, as auto picks on
-# several GPUs: see kernels/).
+# end. Efficiency is against one GPU with the same weights and kernels (XLA's, as auto picks on
+# several GPUs: see kernels/), the mean of a run on each GPU alone.
 # NCCL settings pass through the environment, e.g. `NCCL_PROTO=Simple bash benchmarks/gpu_scaling.sh`
 # (the 04:47 UTC profile showed the per-layer all-reduces running NCCL's ring LL protocol).
 # Usage: bash benchmarks/gpu_scaling.sh [fp32] [bf16] [tune] [fp8]   (default: fp32 bf16)
@@ -25,6 +25,9 @@ common=(--model=llama-3.2-1b --batch_size=8 --seq_len=2048 --noscan_layers --ben
 tag() { python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); r["variant"]=sys.argv[1]; print(json.dumps(r))' "${VARIANT:-}"; }
 # bench FLAGS...: one tagged JSON line in $OUT/scaling.jsonl; $SETTING (one NAME=value) is set for it
 bench() { env ${SETTING:+"$SETTING"} python3 -m jaxllmq.bench "${common[@]}" "$@" 2>"$OUT/err.txt" | grep '^{' | tail -1 | tag | tee -a "$OUT/scaling.jsonl" || tail -5 "$OUT/err.txt"; }
+# base FLAGS...: the one-GPU base on each GPU in turn (their rates differ by up to 1.5%, and a
+# two-GPU step runs at the slower one's pace); efficiency is against their mean
+base() { for g in 0 1; do SETTING=CUDA_VISIBLE_DEVICES=$g VARIANT=base bench --gpus=1 "$@"; done; }
 two_procs() {  # ZeRO level, extra flags...
   local z=$1; shift; local port=$((20000 + RANDOM % 20000))
   for i in 0 1; do
@@ -36,7 +39,7 @@ two_procs() {  # ZeRO level, extra flags...
 }
 
 if want fp32; then
-  bench --gpus=1 --kernels=xla
+  base --kernels=xla
   bench --gpus=2 --zero_level=1 --profile_steps=2
   grep -A14 "device kernel time" "$OUT/err.txt"
   for z in 2 3; do bench --gpus=2 --zero_level=$z; done
@@ -45,7 +48,7 @@ if want fp32; then
 fi
 if want bf16; then
   BF16=(--model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16)
-  bench --gpus=1 --kernels=xla "${BF16[@]}"
+  base --kernels=xla "${BF16[@]}"
   bench --gpus=2 --zero_level=1 --profile_steps=2 "${BF16[@]}"
   grep -A14 "device kernel time" "$OUT/err.txt"
   for z in 2 3; do bench --gpus=2 --zero_level=$z "${BF16[@]}"; done
@@ -55,7 +58,7 @@ TUNE=${TUNE:-"A=1;NCCL_MAX_NCHANNELS=4;NCCL_MAX_NCHANNELS=8"}
 if want tune; then
   [[ -n ${COLLECTIVES:-} ]] && python3 benchmarks/collectives.py 2>&1 | tail -13
   BF16=(--model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16)
-  bench --gpus=1 --kernels=xla "${BF16[@]}"
+  base --kernels=xla "${BF16[@]}"
   IFS=";" read -r -a settings <<< "$TUNE"
   for setting in "${settings[@]}"; do
     for z in 1 2; do SETTING=$setting VARIANT=$setting bench --gpus=2 --zero_level=$z "${BF16[@]}" ${TUNE_FLAGS:-}; done
@@ -63,7 +66,7 @@ if want tune; then
 fi
 if want fp8; then
   FP8=(--model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16 --matmul_dtype=e4m3)
-  bench --gpus=1 --kernels=xla "${FP8[@]}"  # the base, as above: XLA's kernels
+  base --kernels=xla "${FP8[@]}"  # the base, as above: XLA's kernels
   VARIANT="quantize pallas" bench --gpus=1 --kernels=rms_norm=xla,lm_head_loss=xla,fp8_quantize=pallas "${FP8[@]}"
   for z in 1 3; do
     VARIANT="quantize xla" bench --gpus=2 --zero_level=$z "${FP8[@]}"
@@ -74,10 +77,11 @@ python3 - "$OUT/scaling.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 key = lambda r: (r["model_dtype"], r.get("linear_dtype"))
-base = {}
+runs = {}
 for r in rows:
-    if r["devices"] == 1:
-        base.setdefault(key(r), r["tokens_per_s"])  # the first one-GPU run of its dtypes
+    if r.get("variant") == "base":
+        runs.setdefault(key(r), []).append(r["tokens_per_s"])
+base = {k: sum(v) / len(v) for k, v in runs.items()}  # the mean over the GPUs
 print(f"{'weights':>8} {'kernels':>20} {'gpus':>4} {'procs':>5} {'zero':>4} {'tok/s':>9} {'per-GPU eff':>11} {'MFU':>6} {'GiB/GPU':>8} {'step ms':>8} {'exposed':>7}  setting")
 for r in rows:
     eff = r["tokens_per_s"] / (r["devices"] * base[key(r)]) if key(r) in base else float("nan")
