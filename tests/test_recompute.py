@@ -1,6 +1,7 @@
 """Recompute switches: the same losses and gradients, less memory kept for the backward pass."""
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -65,3 +66,21 @@ def test_each_switch_keeps_less_memory():
     }
     assert mem["block"] < mem["ffn"] < mem["swiglu"] < mem["none"], mem
     assert mem["att"] < mem["none"], mem
+
+
+def _matmuls(recompute: Recompute) -> int:
+    """dot ops in the compiled loss-and-gradient of the unrolled model."""
+    graphdef, _, _ = abstract_model(CFG, recompute=recompute, scan_layers=False, attention="xla")
+    params = params_of(Llama(CFG, rngs=nnx.Rngs(0)))
+    tokens = np.zeros((2, 33), np.int32)
+    loss = lambda p: nnx.merge(graphdef, p).logits(tokens[:, :-1]).sum()  # noqa: E731
+    text = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    return len(re.findall(r" dot\(", text))
+
+
+@pytest.mark.parametrize("flag", ["norm", "swiglu"])
+def test_cheap_switches_recompute_no_matmul(flag):
+    # Recomputing a norm or the SwiGLU product needs only saved activations: the post-attention
+    # norm must read the residual under its saved name, not a sum the policy cannot keep (which
+    # would recompute the o_proj GEMM to rebuild it).
+    assert _matmuls(Recompute(**{flag: True})) == _matmuls(Recompute())

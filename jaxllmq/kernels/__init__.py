@@ -1,8 +1,9 @@
 """Fused kernels for the hot paths, each beside a pure-JAX reference that referees it.
 
-The model calls `rms_norm`, `add_rms_norm` (the post-attention residual add fused into its norm),
-`lm_head_loss` and (fp8 block linears) `fp8_quantize.quantize_both` with an `impl` chosen once by
-`resolve_impl` from the trainer's `--kernels=auto|pallas|xla`.
+The model calls `rms_norm`, `add_rms_norm` (the post-attention residual add fused into its norm
+when no recompute policy applies), `lm_head_loss` and (fp8 block linears)
+`fp8_quantize.quantize_both` with an `impl` chosen once by `resolve_impl` from the trainer's
+`--kernels=auto|pallas|xla`.
 """
 
 import jax

@@ -107,11 +107,14 @@ def decoder_layer(
     attention: str,
     norm_impl: str,
     linear: Callable[[jax.Array, jax.Array, str], jax.Array] = fp8.matmul,
+    fuse_residual_norm: bool = False,
 ) -> jax.Array:
     """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). Params cast to `dtype` here.
 
     `linear(x, w, name)` is the q/k/v/o/gate/up/down matmul: `@` in `dtype`, or fp8
-    (model/fp8.py, model/fp8_delayed.py, which needs the weight's name for its scales)."""
+    (model/fp8.py, model/fp8_delayed.py, which needs the weight's name for its scales).
+    `fuse_residual_norm`: the post-attention residual add inside its norm (add_rms_norm); only
+    without a recompute policy (Recompute.saves_all)."""
     B, T, _ = x_BxTxD.shape
     N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_per_head
     w = {k: v.astype(dtype) for k, v in p.items()}
@@ -132,11 +135,17 @@ def decoder_layer(
     )
     o_BxTxNxH = checkpoint_name(o_BxTxNxH, ATT)
     o_BxTxD = linear(o_BxTxNxH.reshape(B, T, N * H), w["o_proj"], "o_proj")
-    # The residual add and the norm in one pass (one Pallas kernel under --kernels=pallas).
-    h_BxTxD, x_BxTxD = add_rms_norm(
-        x_BxTxD, o_BxTxD, w["post_attention_layernorm"], eps, impl=norm_impl
-    )
-    x_BxTxD = checkpoint_name(x_BxTxD, RESID)
+    if fuse_residual_norm:
+        # The residual add and the norm in one pass (one Pallas kernel under --kernels=pallas).
+        h_BxTxD, x_BxTxD = add_rms_norm(
+            x_BxTxD, o_BxTxD, w["post_attention_layernorm"], eps, impl=norm_impl
+        )
+        x_BxTxD = checkpoint_name(x_BxTxD, RESID)
+    else:
+        # Under a recompute policy the norm must read the residual by its name, which the policy
+        # saves or offloads; a fused sum it cannot keep would be rebuilt through the o_proj GEMM.
+        x_BxTxD = checkpoint_name(x_BxTxD + o_BxTxD, RESID)
+        h_BxTxD = rms_norm(x_BxTxD, w["post_attention_layernorm"], eps, impl=norm_impl)
     h_BxTxD = checkpoint_name(h_BxTxD, NORM)
     gate_BxTxF = checkpoint_name(linear(h_BxTxD, w["gate_proj"], "gate_proj"), FFN)
     up_BxTxF = checkpoint_name(linear(h_BxTxD, w["up_proj"], "up_proj"), FFN)
@@ -247,6 +256,7 @@ class Llama(nnx.Module):
                 attention=self.attention,
                 norm_impl=self.norm_impl,
                 linear=linear,
+                fuse_residual_norm=self.recompute.saves_all(),
             )
             return self.constrain(x)
 

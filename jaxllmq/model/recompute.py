@@ -48,6 +48,10 @@ class Recompute:
         chosen = {NORM: self.norm, QKV: self.qkv, ATT: self.att, FFN: self.ffn, SWIGLU: self.swiglu}
         return tuple(name for name, on in chosen.items() if on)
 
+    def saves_all(self) -> bool:
+        """True when no policy applies: the backward pass keeps every activation."""
+        return not (self.offload_residual or self.block or self.names())
+
     def wrap(self, layer: Callable, *, prevent_cse: bool = True) -> Callable:
         """`layer` under jax.checkpoint with this policy (unchanged when nothing is recomputed)."""
         if self.offload_residual:
@@ -60,9 +64,9 @@ class Recompute:
             )
         elif self.block:
             policy = jax.checkpoint_policies.nothing_saveable
-        elif self.names():
+        elif self.saves_all():
+            return layer
+        else:
             kept = [name for name in SAVED if name not in self.names()]
             policy = jax.checkpoint_policies.save_only_these_names(*kept)
-        else:
-            return layer
         return jax.checkpoint(layer, policy=policy, prevent_cse=prevent_cse)
