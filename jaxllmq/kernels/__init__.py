@@ -13,7 +13,8 @@ KERNELS = ("rms_norm", "lm_head_loss", "fp8_quantize")
 # What `auto` picks on one GPU, per kernel, from the H200 measurements in docs/PERFORMANCE.md
 # (benchmarks/kernels.py, 2026-11-30). Pallas only where it measured faster than XLA:
 # RMSNorm fwd+bwd 3% (hidden 2048) and 15% (896) faster than XLA's fusion; the LM-head loss
-# 1.7x faster than the reference and ~2% faster than the chunked XLA scan, 10-13x less memory.
+# 1.7x faster than the reference and ~2% faster than the chunked XLA scan, 10-13x less memory
+# (with its gradient in 2048-token chunks, the default then).
 # fp8 quantize into both layouts: 1.5x faster than XLA's two passes; 3B and 8B e4m3 steps 5% faster.
 AUTO_GPU = {"rms_norm": "pallas", "lm_head_loss": "pallas", "fp8_quantize": "pallas"}
 # On several GPUs: the fp8 quantize pass per device (shard_map), measured on two H200s at ZeRO-1

@@ -38,8 +38,8 @@ class LmHeadPallasConfig:
     num_stages: int = 3
     # Most tokens whose q (softmax tiles) is held at once in the gradient. Each chunk's weight
     # gradient GEMM adds into the fp32 [D, V] accumulator, so fewer chunks read and write it
-    # less: on the 1B step (H200) 8192 against 2048 cut the kernels ~4 ms a step (+0.9% tokens/s)
-    # for 3 GiB (docs/PERFORMANCE.md). --lmhead_chunks splits further where memory is short.
+    # less: on the 1B step (H200) 8192 against 2048 gave +0.8% tokens/s on each of two GPUs for
+    # 3 GiB (docs/PERFORMANCE.md). --lmhead_chunks splits further where memory is short.
     chunk_tokens: int = 8192
     interpret: bool = False
 
