@@ -22,6 +22,7 @@ from jax.experimental.profiler import get_profiled_instructions_proto
 
 from jaxllmq import config, profile, train, xla_flags
 from jaxllmq.data.pipeline import to_global_arrays
+from jaxllmq.kernels import parse_kernels
 from jaxllmq.log import PEAK_FLOPS_BF16
 from jaxllmq.model.config import PRESETS, ModelConfig, load_model_config
 from jaxllmq.parallel.mesh import TENSOR, initialize_distributed, make_mesh
@@ -150,13 +151,24 @@ def start_from_flags(argv: list[str]) -> tuple[config.ModelSpec, ModelConfig, co
     if F.model is None:
         sys.exit("error: --model is required (a preset, or an HF directory)")
     F.from_scratch = F.from_scratch or F.model in PRESETS  # a preset has no weights to load
-    mesh_cfg = config.mesh_from_flags()
+    # Bad flag values (and a bad model directory) end in one line naming them, as in training.
+    mesh_cfg = _user_input(config.mesh_from_flags)
+    _user_input(config.optim_from_flags)
+    _user_input(parse_kernels, F.kernels)
     xla_flags.apply_defaults()
     initialize_distributed(
         mesh_cfg.coordinator_address, mesh_cfg.num_processes, mesh_cfg.process_id
     )
-    spec = config.model_spec_from_flags()
-    return spec, load_model_config(spec.model), mesh_cfg
+    spec = _user_input(config.model_spec_from_flags)
+    return spec, _user_input(load_model_config, spec.model), mesh_cfg
+
+
+def _user_input(read, *args):
+    """read(*args), or exit with its ValueError's message (what the flags or files got wrong)."""
+    try:
+        return read(*args)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
 
 
 def profile_guided(built: train.Compiled, state, batch, step, steps: int):

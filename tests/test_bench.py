@@ -1,6 +1,8 @@
 """The benchmark runs the real train step and reports consistent numbers."""
 
 import dataclasses
+import subprocess
+import sys
 
 from jaxllmq import bench, train
 from jaxllmq.config import ModelSpec
@@ -44,3 +46,15 @@ def test_kernel_choices_keep_the_fp8_quantize_in_xla_under_tensor_parallelism():
     assert train.kernel_choices("pallas", make_mesh(8)) == dict.fromkeys(KERNELS, "pallas")
     with_tp = train.kernel_choices("pallas", make_mesh(8, tensor_parallel=2))
     assert with_tp == {"rms_norm": "pallas", "lm_head_loss": "pallas", "fp8_quantize": "xla"}
+
+
+def test_a_bad_flag_value_ends_in_one_line_naming_it():
+    run = subprocess.run(
+        [sys.executable, "-m", "jaxllmq.bench", "--model=tiny", "--kernels=bogus"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1].startswith("error: --kernels must be auto, pallas")
+    assert "Traceback" not in run.stderr
