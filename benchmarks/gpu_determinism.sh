@@ -4,7 +4,7 @@
 # not (atomics in XLA's scatter-add and cuDNN attention's backward); XLA's deterministic ops
 # (--xla_gpu_deterministic_ops=true) crashed the 1B step in jax 0.11.2 (docs/PERFORMANCE.md, "Run-to-run
 # determinism on GPU"), so the variants take its parts away one at a time to find the op.
-# Usage: bash benchmarks/gpu_determinism.sh   (one GPU; about 6 minutes)
+# Usage: bash benchmarks/gpu_determinism.sh   (one GPU; about 8 minutes)
 source benchmarks/gpu_env.sh
 # run NAME XLA_FLAGS BENCH_FLAGS...: two runs, then one line: identical or not, tokens/s, or the error
 run() {
