@@ -44,6 +44,7 @@ class Trainer:
             seed=d.train_seed,
         )
         self.train_data.check_vocab_size(self.model_cfg.vocab_size)
+        self._eval_batches()  # an eval set too small for one batch is refused now, not at step N
         # Before any device work: samples without a tokenizer are refused at start.
         self.sampler = self._make_sampler() if cfg.sample_every_n_steps > 0 else None
         self.total_steps = cfg.steps or cfg.epochs * self.train_data.steps_per_epoch

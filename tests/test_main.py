@@ -125,6 +125,9 @@ def test_bad_flags_exit_1_with_absl_message(shards, tmp_path, extra, message):
         (["--model=llama-9"], "--model=llama-9"),
         (["--model=/nonexistent", "--nofrom_scratch"], "no such Hugging Face model directory"),
         (["--train_file=/nonexistent/*.bin"], "--train_file"),
+        # 160 rows on the 8 test devices: the train set (~1450 windows) has steps of them, the
+        # eval set (~96 windows) not one batch.
+        (["--batch_size=20"], "--eval_file"),
     ],
 )
 def test_bad_input_is_one_clear_line(shards, tmp_path, extra, message):
@@ -132,6 +135,7 @@ def test_bad_input_is_one_clear_line(shards, tmp_path, extra, message):
     assert proc.returncode == 1
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "e2e" / "log.jsonl").exists()  # refused before the first step
 
 
 def test_vocab_larger_than_the_model_is_refused(tmp_path):
