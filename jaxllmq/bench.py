@@ -256,8 +256,6 @@ def run_bench(
                     state, m = step(state, batch)
                 jax.block_until_ready(m)
             profiled = profile.breakdown(trace_dir, profile_steps, top=profile_top)
-        exposed = [name for name, _ in profiled["exposed_nccl_kernels"]]
-        profiled["exposed_nccl_shapes"] = profile.op_shapes(step.as_text(), exposed)
     tokens_per_step = grad_accumulation * rows * seq_len
     tokens_per_s = tokens_per_step * steps / total_s
     flops = model_cfg.flops_per_token(seq_len) * tokens_per_s

@@ -12,7 +12,6 @@ import collections
 import contextlib
 import glob
 import os
-import re
 from collections.abc import Iterator
 
 import jax
@@ -161,27 +160,10 @@ def format_breakdown(result: dict) -> str:
     lines.append(
         f"  NCCL with no other kernel running: {result['exposed_nccl_ms_per_step']:.2f} ms"
     )
-    shapes = result.get("exposed_nccl_shapes", {})
-    lines += [
-        f"  {ms:8.2f}  exposed  {name[:90]} {shapes.get(name, '')[:80]}"
-        for name, ms in result["exposed_nccl_kernels"]
-    ]
+    lines += [f"  {ms:8.2f}  exposed  {name[:90]}" for name, ms in result["exposed_nccl_kernels"]]
     lines.append(f"  no kernel running: {result['idle_ms_per_step']:.2f} ms, ended by:")
     lines += [f"  {ms:8.2f}  idle     {name[:90]}" for name, ms in result["idle_before_kernels"]]
     lines.append("  top kernels (ms/step, launches/step, category):")
     for name, ms, count in result["kernels"]:
         lines.append(f"  {ms:8.2f} {count:5d}  {category(name):>9}  {name[:90]}")
     return "\n".join(lines)
-
-
-def op_shapes(hlo_text: str, names: list[str]) -> dict[str, str]:
-    """For each "kernel [hlo op]" name, the op's result type in the compiled module's text
-    (e.g. "bf16[16,2048,8192]"), where it is found: which tensor an exposed collective moved."""
-    out = {}
-    for name in names:
-        match = re.search(r"\[(.+)\]$", name)
-        if match:
-            found = re.search(rf"%{re.escape(match.group(1))} = (.+?) [a-z][a-z-]*\(", hlo_text)
-            if found:
-                out[name] = found.group(1)
-    return out
