@@ -155,7 +155,7 @@ def start_from_flags(argv: list[str]) -> tuple[config.ModelSpec, ModelConfig, co
     mesh_cfg = _user_input(config.mesh_from_flags)
     _user_input(config.optim_from_flags)
     _user_input(parse_kernels, F.kernels)
-    xla_flags.apply_defaults()
+    xla_flags.apply_defaults(deterministic=F.deterministic)
     initialize_distributed(
         mesh_cfg.coordinator_address, mesh_cfg.num_processes, mesh_cfg.process_id
     )

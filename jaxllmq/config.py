@@ -91,7 +91,18 @@ _offload = {
     )
 }
 _attention = flags.DEFINE_enum(
-    "attention", "auto", ("auto", "xla", "cudnn"), "Attention kernel; auto = cuDNN on GPU in bf16."
+    "attention",
+    "auto",
+    ("auto", "xla", "cudnn"),
+    "Attention kernel; auto = cuDNN on GPU in bf16 (XLA's with --deterministic).",
+)
+_deterministic = flags.DEFINE_bool(
+    "deterministic",
+    False,
+    "Bit-identical runs on GPU (CPU runs are already): XLA's deterministic ops and XLA's "
+    "attention (cuDNN's crashes under them in jax 0.11.2). 2-2.5x slower on the 1B step; "
+    "XLA's attention keeps the [batch, heads, seq, seq] scores, so large batches need "
+    "--recompute_att (docs/PERFORMANCE.md).",
 )
 _kernels = flags.DEFINE_string(
     "kernels",
@@ -298,6 +309,7 @@ class ModelSpec:
     init_proj_to_zero: bool = False
     scan_layers: bool = True
     attention: str = "auto"
+    deterministic: bool = False  # XLA's deterministic ops, so never cuDNN attention
     recompute: Recompute = Recompute()  # with --offload_residual
     offload: Offload = Offload()  # --offload_master, --offload_opt_m, --offload_opt_v
 
@@ -319,6 +331,11 @@ class ModelSpec:
             )
         if self.fp8_amax_history < 1:
             raise ConfigError(f"--fp8_amax_history={self.fp8_amax_history}: must be >= 1")
+        if self.deterministic and self.attention == "cudnn":
+            raise ConfigError(
+                "--deterministic with --attention=cudnn: cuDNN's attention crashes under XLA's "
+                "deterministic ops (jax 0.11.2); use --attention=auto or xla"
+            )
 
 
 def check_dtypes(
@@ -470,6 +487,9 @@ def substitute_name(path: str | None, name: str) -> str | None:
 def model_spec_from_flags() -> ModelSpec:
     """The ModelSpec from the parsed flags."""
     fp8 = _matmul_dtype.value in FP8_MATMUL
+    attention = _attention.value
+    if _deterministic.value and attention == "auto":
+        attention = "xla"
     return ModelSpec(
         model=_model.value,
         from_scratch=_from_scratch.value,
@@ -482,7 +502,8 @@ def model_spec_from_flags() -> ModelSpec:
         fp8_amax_history=_fp8_amax_history.value,
         init_proj_to_zero=_init_proj_to_zero.value,
         scan_layers=_scan_layers.value,
-        attention=_attention.value,
+        attention=attention,
+        deterministic=_deterministic.value,
         recompute=Recompute(
             **{name: holder.value for name, holder in _recompute.items()},
             offload_residual=_offload["residual"].value,

@@ -32,7 +32,7 @@ def main(argv: list[str]) -> None:
         cfg = config.from_flags()  # every config dataclass validates itself: ValueError
     except ValueError as e:
         sys.exit(f"error: {e}")
-    xla_flags.apply_defaults()
+    xla_flags.apply_defaults(deterministic=cfg.model.deterministic)
     initialize_distributed(
         cfg.mesh.coordinator_address, cfg.mesh.num_processes, cfg.mesh.process_id
     )

@@ -26,10 +26,10 @@ DEFAULTS = {
 }
 
 
-def with_defaults(xla_flags: str) -> str:
+def with_defaults(xla_flags: str, defaults: dict[str, str] = DEFAULTS) -> str:
     """`xla_flags` plus each default flag it does not set already."""
     named = {f.split("=", 1)[0].lstrip("-") for f in xla_flags.split()}
-    extra = [f"--{k}={v}" for k, v in DEFAULTS.items() if k not in named]
+    extra = [f"--{k}={v}" for k, v in defaults.items() if k not in named]
     return " ".join([xla_flags.strip(), *extra]).strip()
 
 
@@ -47,8 +47,15 @@ def host_memory_limit_gb() -> int:
     return int(0.75 * total / 1e9 / max(gpus, 1))
 
 
-def apply_defaults() -> None:
-    """Add the defaults to this process's XLA_FLAGS and the host memory pool's size to its
-    environment, where the user has not set them (call before jax touches a device)."""
-    os.environ["XLA_FLAGS"] = with_defaults(os.environ.get("XLA_FLAGS", ""))
+# --deterministic: XLA's deterministic ops (no atomics in scatter-adds and reductions).
+DETERMINISTIC = {"xla_gpu_deterministic_ops": "true"}
+
+
+def apply_defaults(deterministic: bool = False) -> None:
+    """Add the defaults (and with `deterministic` DETERMINISTIC's) to this process's XLA_FLAGS and
+    the host memory pool's size to its environment, where the user has not set them (call before
+    jax touches a device)."""
+    os.environ["XLA_FLAGS"] = with_defaults(
+        os.environ.get("XLA_FLAGS", ""), {**DEFAULTS, **(DETERMINISTIC if deterministic else {})}
+    )
     os.environ.setdefault(HOST_MEMORY_LIMIT, str(host_memory_limit_gb()))

@@ -43,3 +43,26 @@ def test_flagfile_parses_and_validates(path, tmp_path):
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+ATTENTION = """
+import sys
+from jaxllmq import config
+config.parse_argv(sys.argv)
+print(config.model_spec_from_flags().attention)
+"""
+
+
+def test_deterministic_picks_xla_attention_and_refuses_cudnn():
+    def run(*flags):
+        return subprocess.run(
+            [sys.executable, "-c", ATTENTION, "--model=tiny", "--from_scratch", *flags],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
+
+    assert run("--deterministic").stdout.split() == ["xla"]
+    refused = run("--deterministic", "--attention=cudnn")
+    assert refused.returncode != 0 and "--deterministic with --attention=cudnn" in refused.stderr

@@ -4,6 +4,8 @@ import os
 
 from jaxllmq.xla_flags import DEFAULTS, HOST_MEMORY_LIMIT, apply_defaults, with_defaults
 
+DET = "--xla_gpu_deterministic_ops"
+
 
 def test_defaults_are_added_to_an_empty_environment():
     assert with_defaults("").split() == [f"--{k}={v}" for k, v in DEFAULTS.items()]
@@ -28,3 +30,15 @@ def test_host_memory_pool_default_and_user_setting(monkeypatch):
     monkeypatch.setenv(HOST_MEMORY_LIMIT, "7")
     apply_defaults()
     assert os.environ[HOST_MEMORY_LIMIT] == "7"
+
+
+def test_deterministic_adds_xla_deterministic_ops_unless_the_user_set_them(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "")
+    apply_defaults()
+    assert DET not in os.environ["XLA_FLAGS"]
+    apply_defaults(deterministic=True)
+    assert f"{DET}=true" in os.environ["XLA_FLAGS"].split()
+    monkeypatch.setenv("XLA_FLAGS", f"{DET}=false")
+    apply_defaults(deterministic=True)
+    assert os.environ["XLA_FLAGS"].split().count(f"{DET}=false") == 1
+    assert f"{DET}=true" not in os.environ["XLA_FLAGS"]
