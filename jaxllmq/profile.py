@@ -11,7 +11,10 @@ heuristic, so the top kernels are printed with it to check it by eye.
 import collections
 import contextlib
 import glob
+import json
+import math
 import os
+import re
 from collections.abc import Iterator
 
 import jax
@@ -127,12 +130,16 @@ def timeline(profile: ProfileData) -> dict:
     }
 
 
-def breakdown(log_dir: str, steps: int, top: int = 15) -> dict:
-    """Per-step ms by category and the `top` kernels, from the newest trace under log_dir."""
+def _newest_trace(log_dir: str) -> ProfileData:
     files = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True))
     if not files:
         raise FileNotFoundError(f"no *.xplane.pb trace under {log_dir}")
-    trace = ProfileData.from_file(files[-1])
+    return ProfileData.from_file(files[-1])
+
+
+def breakdown(log_dir: str, steps: int, top: int = 15) -> dict:
+    """Per-step ms by category and the `top` kernels, from the newest trace under log_dir."""
+    trace = _newest_trace(log_dir)
     times = kernel_times(trace)
     lines = timeline(trace)
     per_step = lambda ns: ns / 1e6 / steps
@@ -166,4 +173,75 @@ def format_breakdown(result: dict) -> str:
     lines.append("  top kernels (ms/step, launches/step, category):")
     for name, ms, count in result["kernels"]:
         lines.append(f"  {ms:8.2f} {count:5d}  {category(name):>9}  {name[:90]}")
+    return "\n".join(lines)
+
+
+def _dims(hlo_type: str) -> list[int]:
+    found = re.search(r"\[([0-9,]*)\]", hlo_type)
+    return [int(d) for d in found.group(1).split(",") if d] if found else []
+
+
+def gemm_table(log_dir: str, hlo_text: str, module: str | None = None) -> list[dict]:
+    """Each GEMM shape's time per step in the newest trace under log_dir, slowest first:
+    {"shape", "kernel", "ms", "ops", "tflops"}. A kernel's `hlo_op` stat names its GEMM op in
+    the compiled module's text (`hlo_text`, e.g. from --xla_dump_to) only with command buffers
+    off (--xla_gpu_enable_command_buffer=); otherwise it names the buffer and nothing joins.
+    The trace may hold any number of steps: the fewest launches of any GEMM op is taken as the
+    step count (an op in a loop launches more than once a step).
+    `module` (e.g. "jit_train_step") keeps only kernels whose `hlo_module` stat names it: op
+    names repeat across the modules of one trace."""
+    types, bodies = {}, {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%(\S+) = (\([^)]*\)|\S+) (.*)$", hlo_text, re.M):
+        types[m.group(1)], bodies[m.group(1)] = m.group(2), m.group(3)
+
+    def operand(name: str) -> list[int]:  # "fusion.1#0": element 0 of a tuple
+        base, _, index = name.strip().lstrip("%").partition("#")
+        parts = re.findall(r"\w+\[[0-9,]*\]", types.get(base, ""))
+        return _dims(parts[int(index or 0)]) if parts else []
+
+    per_op: dict[str, list] = collections.defaultdict(lambda: [0.0, 0, ""])
+    for plane in _gpu_planes(_newest_trace(log_dir)):
+        for event in _kernels(plane):
+            stats = dict(event.stats)
+            op = stats.get("hlo_op")
+            if module is not None and stats.get("hlo_module", module) != module:
+                continue
+            if category(event.name) == "gemm" and op in bodies:
+                row = per_op[op]
+                row[0], row[1], row[2] = row[0] + event.duration_ns, row[1] + 1, event.name
+    steps = min((launches for _, launches, _ in per_op.values()), default=1)
+    shapes: dict[tuple, list] = collections.defaultdict(lambda: [0.0, 0, 0.0])
+    for op, (ns, launches, kernel) in per_op.items():
+        body = bodies[op]
+        args = re.search(r"custom-call\(([^)]*)\)", body)
+        contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', body)
+        if not args or not contracting:
+            continue
+        lhs, rhs = (operand(a) for a in args.group(1).split(",")[:2])
+        out = _dims(types[op])
+        k = 1
+        for d in json.loads(f"[{contracting.group(1)}]"):
+            k *= lhs[int(d)] if int(d) < len(lhs) else 0
+        row = shapes[(f"{lhs} x {rhs} -> {out}", kernel)]
+        row[0] += ns / steps / 1e6
+        row[1] += 1
+        row[2] += 2.0 * k * math.prod(out) * launches / steps
+    rows = [
+        {"shape": shape, "kernel": kernel, "ms": ms, "ops": ops, "tflops": flops / ms / 1e9}
+        for (shape, kernel), (ms, ops, flops) in shapes.items()
+    ]
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
+def format_gemm_table(rows: list[dict]) -> str:
+    ms = sum(r["ms"] for r in rows)
+    tflop = sum(r["tflops"] * r["ms"] / 1e3 for r in rows)
+    lines = [
+        f"GEMMs {ms:.1f} ms per step, {tflop:.1f} TFLOP, {tflop / max(ms, 1e-9) * 1e3:.0f} TFLOP/s"
+    ]
+    lines.append(f"{'ms':>8} {'ops':>4} {'TFLOP/s':>8}  shape (lhs x rhs -> out), kernel")
+    lines += [
+        f"{r['ms']:8.2f} {r['ops']:4d} {r['tflops']:8.0f}  {r['shape']}  {r['kernel'][:50]}"
+        for r in rows
+    ]
     return "\n".join(lines)

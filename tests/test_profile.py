@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 from jax.profiler import ProfileData
 
 from jaxllmq import profile
@@ -62,3 +63,44 @@ def test_breakdown_sums_stream_kernels_per_step(tmp_path):
     assert name.startswith("nvjet") and ms == 3.0 and count == 1
     assert "dot.12" not in {k for k, _, _ in out["kernels"]}  # the XLA Ops line is not counted
     assert "gemm" in profile.format_breakdown(out)
+
+
+# Two launches (two steps) of one cuBLAS GEMM of the train step, whose rhs is a tuple element,
+# and one launch of an op of the same name in another module, which must not count.
+GEMM_TRACE = """
+planes {
+  id: 1
+  name: "/device:GPU:0"
+  lines { id: 1 name: "Stream #13(Compute)" timestamp_ns: 0
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 2000000
+             stats { metadata_id: 9 str_value: "custom-call.5" }
+             stats { metadata_id: 8 str_value: "jit_train_step" } }
+    events { metadata_id: 1 offset_ps: 5000000 duration_ps: 4000000
+             stats { metadata_id: 9 str_value: "custom-call.5" }
+             stats { metadata_id: 8 str_value: "jit_train_step" } }
+    events { metadata_id: 1 offset_ps: 9000000 duration_ps: 90000000
+             stats { metadata_id: 9 str_value: "custom-call.5" }
+             stats { metadata_id: 8 str_value: "jit_matmul" } }
+  }
+  event_metadata { key: 1 value { id: 1 name: "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_NNT" } }
+  stat_metadata { key: 9 value { id: 9 name: "hlo_op" } }
+  stat_metadata { key: 8 value { id: 8 name: "hlo_module" } }
+}
+"""
+HLO = """
+  %p0 = bf16[64,32]{1,0} parameter(0)
+  %fusion.1 = (f32[16]{0}, bf16[32,16]{1,0}) fusion(%p0), kind=kLoop, calls=%fused
+  ROOT %custom-call.5 = (bf16[64,16]{1,0}, s8[1024]{0}) custom-call(%p0, %fusion.1#1), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+"""
+
+
+def test_gemm_table_joins_kernels_to_their_ops_shapes(tmp_path):
+    path = tmp_path / "run" / "host.xplane.pb"
+    os.makedirs(path.parent)
+    path.write_bytes(ProfileData.text_proto_to_serialized_xspace(GEMM_TRACE))
+    (row,) = profile.gemm_table(str(tmp_path), HLO, module="jit_train_step")
+    assert row["shape"] == "[64, 32] x [32, 16] -> [64, 16]"
+    assert row["ops"] == 1 and row["kernel"].startswith("nvjet")
+    assert row["ms"] == pytest.approx(3e-3)  # (2 + 4) us over two steps
+    assert row["tflops"] == pytest.approx(2 * 64 * 32 * 16 / 3e-6 / 1e12)
+    assert "GEMMs" in profile.format_gemm_table([row])
