@@ -1,7 +1,9 @@
 """The host loop: builds a run from a TrainConfig, trains, evaluates, checkpoints, exports."""
 
 import dataclasses
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -22,11 +24,37 @@ from jaxllmq.telemetry import Nvml, device_records
 from jaxllmq.train import Batch, build, kernel_choices
 
 
+def check_output_dirs(cfg: TrainConfig) -> None:
+    """Create the run's output directories and write a probe file in each, so a path that cannot
+    be written fails at start, naming its flag, not after training (--out_dir is written last).
+    Process 0 writes the export and the logs; every process writes checkpoints."""
+    dirs = [("--checkpoint_dir", cfg.ckpt.checkpoint_dir)]
+    if jax.process_index() == 0:
+        log_dir = os.path.dirname(cfg.log_file) if cfg.log_file else None
+        dirs += [
+            ("--out_dir", cfg.out_dir),
+            ("--log_file", log_dir),
+            ("--tensorboard_dir", cfg.tensorboard_dir),
+        ]
+    for flag, path in dirs:
+        if not path:
+            continue
+        try:
+            os.makedirs(path, exist_ok=True)
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as e:
+            raise ConfigError(
+                f"{flag}: cannot write to {path} ({e.strerror or e}); give a writable directory"
+            ) from e
+
+
 class Trainer:
     """Builds the mesh, model, optimizer, data and steps from a TrainConfig; `run` trains."""
 
     def __init__(self, cfg: TrainConfig, argv: list[str] | None = None):
         self.cfg = cfg
+        check_output_dirs(cfg)
         m = cfg.mesh
         self.mesh = make_mesh(
             m.gpus, tensor_parallel=m.tensor_parallel, data_parallel=m.data_parallel
