@@ -91,12 +91,16 @@ class _ZScore:
         return (x - mean) / std, mean, std
 
 
+class MissingExtraError(ImportError):
+    """A flag needs an optional package that is not installed; the message says what to install."""
+
+
 def _tensorboard_writer(logdir: str) -> Any:
     """A tensorboardX SummaryWriter on `logdir`, or an error that says what to install."""
     try:
         from tensorboardX import SummaryWriter
     except ImportError as e:
-        raise ImportError(
+        raise MissingExtraError(
             "--tensorboard_dir needs tensorboardX: pip install 'jaxllmq[tensorboard]' "
             "(or pip install tensorboardX)"
         ) from e
@@ -109,7 +113,7 @@ def _wandb_run(project: str, name: str | None, config: dict | None) -> Any:
     try:
         import wandb
     except ImportError as e:
-        raise ImportError(
+        raise MissingExtraError(
             "--wandb_project needs wandb: pip install 'jaxllmq[wandb]' (or pip install wandb)"
         ) from e
     return wandb.init(project=project, name=name, config=_clean(config or {}))

@@ -10,6 +10,7 @@ from absl import app
 from jaxllmq import config, trainer, xla_flags
 from jaxllmq.checkpoint import CheckpointError
 from jaxllmq.data.shards import ShardError
+from jaxllmq.log import MissingExtraError
 from jaxllmq.model import CheckpointFormatError, ModelConfigError
 from jaxllmq.offload import OffloadError
 from jaxllmq.optim import NonFiniteError
@@ -27,6 +28,7 @@ def main(argv: list[str]) -> None:
         CheckpointFormatError,
         CheckpointError,
         OffloadError,
+        MissingExtraError,
     )
     try:
         cfg = config.from_flags()  # every config dataclass validates itself: ValueError

@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from jaxllmq.log import PEAK_FLOPS_BF16, RunLog, mfu
+from jaxllmq.log import PEAK_FLOPS_BF16, MissingExtraError, RunLog, mfu
 
 
 class _Tty(io.StringIO):
@@ -283,7 +283,7 @@ def test_tensorboard_missing_names_the_extra(tmp_path, monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_tensorboardx)
-    with pytest.raises(ImportError, match=r"jaxllmq\[tensorboard\]"):
+    with pytest.raises(MissingExtraError, match=r"jaxllmq\[tensorboard\]"):
         RunLog(None, total_steps=1, flops_per_token=0, tensorboard_dir=str(tmp_path))
 
 
