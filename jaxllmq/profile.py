@@ -2,6 +2,7 @@
 
     with trace_steps(tmpdir): run a few steps
     breakdown(tmpdir, steps) -> {"categories": {...ms/step}, "kernels": [(name, ms/step, count)]}
+    gemm_table(tmpdir, hlo_text) -> [{"shape", "kernel", "ms", "ops", "tflops"}]  (per GEMM shape)
 
 Reads the XSpace file jax.profiler writes (jax.profiler.ProfileData, no TensorBoard needed) and
 sums the kernels on each GPU stream line. Categories are told apart by kernel name; the mapping is
