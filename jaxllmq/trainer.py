@@ -1,6 +1,7 @@
 """The host loop: builds a run from a TrainConfig, trains, evaluates, checkpoints, exports."""
 
 import dataclasses
+import errno
 import os
 import sys
 import tempfile
@@ -25,12 +26,13 @@ from jaxllmq.train import Batch, build, kernel_choices
 
 
 def check_output_dirs(cfg: TrainConfig) -> None:
-    """Create the run's output directories and write a probe file in each, so a path that cannot
-    be written fails at start, naming its flag, not after training (--out_dir is written last).
-    Process 0 writes the export and the logs; every process writes checkpoints."""
+    """Refuse an output directory that cannot be created or written, naming its flag, at start:
+    --out_dir is first written after the last step. Nothing is left behind: the probe is a
+    directory made and removed in the deepest part of the path that exists. Process 0 writes
+    the export and the logs; every process writes checkpoints."""
     dirs = [("--checkpoint_dir", cfg.ckpt.checkpoint_dir)]
     if jax.process_index() == 0:
-        log_dir = os.path.dirname(cfg.log_file) if cfg.log_file else None
+        log_dir = (os.path.dirname(cfg.log_file) or ".") if cfg.log_file else None
         dirs += [
             ("--out_dir", cfg.out_dir),
             ("--log_file", log_dir),
@@ -39,13 +41,17 @@ def check_output_dirs(cfg: TrainConfig) -> None:
     for flag, path in dirs:
         if not path:
             continue
+        existing = os.path.abspath(path)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
         try:
-            os.makedirs(path, exist_ok=True)
-            with tempfile.TemporaryFile(dir=path):
-                pass
+            if not os.path.isdir(existing):
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+            os.rmdir(tempfile.mkdtemp(dir=existing))
         except OSError as e:
             raise ConfigError(
-                f"{flag}: cannot write to {path} ({e.strerror or e}); give a writable directory"
+                f"{flag}: cannot write to {path} ({existing}: {e.strerror or e}); give a "
+                "writable directory"
             ) from e
 
 

@@ -129,7 +129,7 @@ def test_bad_flags_exit_1_with_absl_message(shards, tmp_path, extra, message):
         # eval set (~96 windows) not one batch.
         (["--batch_size=20"], "--eval_file"),
         # Written only after training: refused before it.
-        (["--out_dir=/proc/nope/model"], "--out_dir: cannot write to /proc/nope/model"),
+        (["--out_dir=/proc/nope/model"], "--out_dir: cannot write to /proc/nope/model (/proc"),
     ],
 )
 def test_bad_input_is_one_clear_line(shards, tmp_path, extra, message):
