@@ -2,7 +2,7 @@
 
     with trace_steps(tmpdir): run a few steps
     breakdown(tmpdir, steps) -> {"categories": {...ms/step}, "kernels": [(name, ms/step, count)]}
-    gemm_table(tmpdir, hlo_text) -> [{"shape", "kernel", "ms", "ops", "tflops"}]  (per GEMM shape)
+    op_table(tmpdir, hlo_text) -> [{"shape", "kernel", "ms", "ops", "tflops"}]  (GEMMs by shape)
 
 Reads the XSpace file jax.profiler writes (jax.profiler.ProfileData, no TensorBoard needed) and
 sums the kernels on each GPU stream line. Categories are told apart by kernel name; the mapping is
@@ -182,15 +182,21 @@ def _dims(hlo_type: str) -> list[int]:
     return [int(d) for d in found.group(1).split(",") if d] if found else []
 
 
-def gemm_table(log_dir: str, hlo_text: str, module: str | None = None) -> list[dict]:
-    """Each GEMM shape's time per step in the newest trace under log_dir, slowest first:
-    {"shape", "kernel", "ms", "ops", "tflops"}. A kernel's `hlo_op` stat names its GEMM op in
-    the compiled module's text (`hlo_text`, e.g. from --xla_dump_to) only with command buffers
-    off (--xla_gpu_enable_command_buffer=); otherwise it names the buffer and nothing joins.
-    The trace may hold any number of steps: the fewest launches of any GEMM op is taken as the
-    step count (an op in a loop launches more than once a step).
-    `module` (e.g. "jit_train_step") keeps only kernels whose `hlo_module` stat names it: op
-    names repeat across the modules of one trace."""
+def op_table(
+    log_dir: str, hlo_text: str, module: str | None = None, kind: str = "gemm"
+) -> list[dict]:
+    """Per step, the time of each op whose kernels fall in category `kind` ("gemm", "copy",
+    "fusion", ...), from the newest trace under log_dir joined to the compiled module's text
+    (`hlo_text`, e.g. from --xla_dump_to), grouped by shape and kernel, slowest first:
+    {"shape", "kernel", "ms", "ops", "tflops"}. A GEMM's shape is "lhs x rhs -> out" and it has
+    TFLOP/s; any other op shows its result type and opcode, tflops None.
+
+    A kernel's `hlo_op` stat names its op only with XLA's command buffers off
+    (--xla_gpu_enable_command_buffer=); otherwise it names the buffer and nothing joins. The
+    trace may hold any number of steps: the fewest launches of any listed op is taken as the
+    step count (an op in a loop launches more than once a step). `module` (e.g.
+    "jit_train_step") keeps only kernels whose `hlo_module` stat names it: op names repeat
+    across the modules of one trace."""
     types, bodies = {}, {}
     for m in re.finditer(r"^\s*(?:ROOT )?%(\S+) = (\([^)]*\)|\S+) (.*)$", hlo_text, re.M):
         types[m.group(1)], bodies[m.group(1)] = m.group(2), m.group(3)
@@ -207,42 +213,51 @@ def gemm_table(log_dir: str, hlo_text: str, module: str | None = None) -> list[d
             op = stats.get("hlo_op")
             if module is not None and stats.get("hlo_module", module) != module:
                 continue
-            if category(event.name) == "gemm" and op in bodies:
+            if category(event.name) == kind and op in bodies:
                 row = per_op[op]
                 row[0], row[1], row[2] = row[0] + event.duration_ns, row[1] + 1, event.name
     steps = min((launches for _, launches, _ in per_op.values()), default=1)
-    shapes: dict[tuple, list] = collections.defaultdict(lambda: [0.0, 0, 0.0])
+    groups: dict[tuple, list] = collections.defaultdict(lambda: [0.0, 0, 0.0])
     for op, (ns, launches, kernel) in per_op.items():
         body = bodies[op]
         args = re.search(r"custom-call\(([^)]*)\)", body)
         contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', body)
-        if not args or not contracting:
-            continue
-        lhs, rhs = (operand(a) for a in args.group(1).split(",")[:2])
-        out = _dims(types[op])
-        k = 1
-        for d in json.loads(f"[{contracting.group(1)}]"):
-            k *= lhs[int(d)] if int(d) < len(lhs) else 0
-        row = shapes[(f"{lhs} x {rhs} -> {out}", kernel)]
+        flops = 0.0
+        if args and contracting:
+            lhs, rhs = (operand(a) for a in args.group(1).split(",")[:2])
+            out = _dims(types[op])
+            k = 1
+            for d in json.loads(f"[{contracting.group(1)}]"):
+                k *= lhs[int(d)] if int(d) < len(lhs) else 0
+            shape = f"{lhs} x {rhs} -> {out}"
+            flops = 2.0 * k * math.prod(out) * launches / steps
+        else:
+            shape = f"{types[op]} {body.split('(', 1)[0]}"
+        row = groups[(shape, kernel)]
         row[0] += ns / steps / 1e6
         row[1] += 1
-        row[2] += 2.0 * k * math.prod(out) * launches / steps
+        row[2] += flops
     rows = [
-        {"shape": shape, "kernel": kernel, "ms": ms, "ops": ops, "tflops": flops / ms / 1e9}
-        for (shape, kernel), (ms, ops, flops) in shapes.items()
+        {
+            "shape": shape,
+            "kernel": kernel,
+            "ms": ms,
+            "ops": ops,
+            "tflops": flops / ms / 1e9 if flops else None,
+        }
+        for (shape, kernel), (ms, ops, flops) in groups.items()
     ]
     return sorted(rows, key=lambda r: -r["ms"])
 
 
-def format_gemm_table(rows: list[dict]) -> str:
+def format_op_table(rows: list[dict], kind: str = "gemm") -> str:
     ms = sum(r["ms"] for r in rows)
-    tflop = sum(r["tflops"] * r["ms"] / 1e3 for r in rows)
-    lines = [
-        f"GEMMs {ms:.1f} ms per step, {tflop:.1f} TFLOP, {tflop / max(ms, 1e-9) * 1e3:.0f} TFLOP/s"
-    ]
-    lines.append(f"{'ms':>8} {'ops':>4} {'TFLOP/s':>8}  shape (lhs x rhs -> out), kernel")
-    lines += [
-        f"{r['ms']:8.2f} {r['ops']:4d} {r['tflops']:8.0f}  {r['shape']}  {r['kernel'][:50]}"
-        for r in rows
-    ]
+    tflop = sum((r["tflops"] or 0) * r["ms"] / 1e3 for r in rows)
+    head = f"{kind}: {ms:.1f} ms per step over {sum(r['ops'] for r in rows)} ops"
+    if tflop:
+        head += f", {tflop:.1f} TFLOP at {tflop / ms * 1e3:.0f} TFLOP/s"
+    lines = [head, f"{'ms':>8} {'ops':>4} {'TFLOP/s':>8}  shape, kernel"]
+    for r in rows:
+        tf = f"{r['tflops']:8.0f}" if r["tflops"] else f"{'-':>8}"
+        lines.append(f"{r['ms']:8.2f} {r['ops']:4d} {tf}  {r['shape'][:70]}  {r['kernel'][:50]}")
     return "\n".join(lines)

@@ -94,13 +94,19 @@ HLO = """
 """
 
 
-def test_gemm_table_joins_kernels_to_their_ops_shapes(tmp_path):
+def test_op_table_joins_kernels_to_their_ops_shapes(tmp_path):
     path = tmp_path / "run" / "host.xplane.pb"
     os.makedirs(path.parent)
     path.write_bytes(ProfileData.text_proto_to_serialized_xspace(GEMM_TRACE))
-    (row,) = profile.gemm_table(str(tmp_path), HLO, module="jit_train_step")
+    (row,) = profile.op_table(str(tmp_path), HLO, module="jit_train_step")
     assert row["shape"] == "[64, 32] x [32, 16] -> [64, 16]"
     assert row["ops"] == 1 and row["kernel"].startswith("nvjet")
     assert row["ms"] == pytest.approx(3e-3)  # (2 + 4) us over two steps
     assert row["tflops"] == pytest.approx(2 * 64 * 32 * 16 / 3e-6 / 1e12)
-    assert "GEMMs" in profile.format_gemm_table([row])
+    assert "TFLOP/s" in profile.format_op_table([row])
+    # Another category: the op's result type and opcode, no TFLOP/s.
+    copy = GEMM_TRACE.replace("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_NNT", "MemcpyD2D")
+    path.write_bytes(ProfileData.text_proto_to_serialized_xspace(copy))
+    hlo = HLO.replace("custom-call(%p0, %fusion.1#1)", "copy(%p0)")
+    (row,) = profile.op_table(str(tmp_path), hlo, module="jit_train_step", kind="copy")
+    assert row["shape"].endswith(" copy") and row["tflops"] is None

@@ -1,0 +1,53 @@
+"""Where the bench's train step spends its GPU time, op by op: each GEMM shape's ms per step and
+TFLOP/s (how far it falls short of the matmul ceiling), or with --table_kind=copy (fusion,
+nccl, ...) the ops of that kernel category with their result types. Runs the bench
+(`jaxllmq.bench`, same flags) under a trace, with XLA's command buffers off so that each kernel
+names its op, and the compiled step dumped; then joins the two (`jaxllmq.profile.op_table`).
+Command buffers off adds launch gaps to the step, not to the kernels. Not with --profile_steps
+(one trace at a time).
+
+    python3 benchmarks/op_table.py --model=llama-3.2-1b --batch_size=8 --seq_len=2048 \\
+        --noscan_layers --bench_steps=5 --measure_matmul_ceiling=false [--table_kind=copy]
+"""
+
+import glob
+import os
+import tempfile
+
+DUMP = tempfile.mkdtemp(prefix="op_table_")
+os.environ["XLA_FLAGS"] = " ".join(
+    [
+        os.environ.get("XLA_FLAGS", ""),
+        f"--xla_dump_to={DUMP}",
+        "--xla_dump_hlo_as_text",
+        "--xla_dump_hlo_module_re=.*train_step.*",
+        "--xla_gpu_enable_command_buffer=",
+    ]
+)
+
+from absl import app, flags  # noqa: E402  (XLA_FLAGS must be set before jax starts)
+
+from jaxllmq import bench, config, profile  # noqa: E402
+
+_kind = flags.DEFINE_enum(
+    "table_kind",
+    "gemm",
+    [name for name, _ in profile.CATEGORIES],
+    "Which kernel category to list op by op.",
+)
+
+
+def main(argv: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as trace:
+        with profile.trace_steps(trace):
+            bench.main(argv)
+        dumps = glob.glob(os.path.join(DUMP, "*train_step*after_optimizations.txt"))
+        if not dumps:
+            raise SystemExit(f"error: no train step in the XLA dump under {DUMP}")
+        with open(max(dumps, key=os.path.getsize)) as f:
+            rows = profile.op_table(trace, f.read(), module="jit_train_step", kind=_kind.value)
+    print(profile.format_op_table(rows, _kind.value))
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=config.parse_argv)
