@@ -278,6 +278,7 @@ def run_bench(
         "fp8_scaling": spec.fp8_scaling if spec.linear_dtype else None,
         "scan_layers": spec.scan_layers,
         "attention": spec.attention,
+        "deterministic": spec.deterministic,
         "recompute": list(spec.recompute.names()) + (["block"] if spec.recompute.block else []),
         "kernels": kernels,
         "kernels_used": train.kernel_choices(kernels, mesh),  # what auto resolved to here
