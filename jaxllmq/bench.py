@@ -25,7 +25,7 @@ from jaxllmq.data.pipeline import to_global_arrays
 from jaxllmq.kernels import parse_kernels
 from jaxllmq.log import PEAK_FLOPS_BF16
 from jaxllmq.model.config import PRESETS, ModelConfig, load_model_config
-from jaxllmq.parallel.mesh import TENSOR, initialize_distributed, make_mesh
+from jaxllmq.parallel.mesh import TENSOR, MeshError, initialize_distributed, make_mesh
 
 _bench_steps = flags.DEFINE_integer("bench_steps", 20, "Timed steps.", lower_bound=1)
 _bench_warmup = flags.DEFINE_integer(
@@ -307,25 +307,28 @@ def run_bench(
 def main(argv: list[str]) -> None:
     spec, model_cfg, mesh_cfg = start_from_flags(argv)
     F = flags.FLAGS
-    result = run_bench(
-        model_cfg,
-        spec,
-        config.optim_from_flags(),
-        batch_size=F.batch_size,
-        seq_len=F.seq_len,
-        grad_accumulation=F.grad_accumulation,
-        gpus=mesh_cfg.gpus,
-        zero_level=mesh_cfg.zero_level,
-        tensor_parallel=mesh_cfg.tensor_parallel,
-        steps=_bench_steps.value,
-        warmup=_bench_warmup.value,
-        ceiling=_measure_ceiling.value,
-        kernels=F.kernels,
-        lmhead_chunks=F.lmhead_chunks,
-        profile_steps=_profile_steps.value,
-        profile_top=_profile_top.value,
-        pgle_steps=_pgle_steps.value,
-    )
+    try:  # --gpus or --tensor_parallel that these devices or this model cannot form
+        result = run_bench(
+            model_cfg,
+            spec,
+            config.optim_from_flags(),
+            batch_size=F.batch_size,
+            seq_len=F.seq_len,
+            grad_accumulation=F.grad_accumulation,
+            gpus=mesh_cfg.gpus,
+            zero_level=mesh_cfg.zero_level,
+            tensor_parallel=mesh_cfg.tensor_parallel,
+            steps=_bench_steps.value,
+            warmup=_bench_warmup.value,
+            ceiling=_measure_ceiling.value,
+            kernels=F.kernels,
+            lmhead_chunks=F.lmhead_chunks,
+            profile_steps=_profile_steps.value,
+            profile_top=_profile_top.value,
+            pgle_steps=_pgle_steps.value,
+        )
+    except MeshError as e:
+        sys.exit(f"error: {e}")
     if jax.process_index() != 0:
         return
     if "profile" in result:

@@ -14,7 +14,7 @@ from jaxllmq.log import MissingExtraError
 from jaxllmq.model import CheckpointFormatError, ModelConfigError
 from jaxllmq.offload import OffloadError
 from jaxllmq.optim import NonFiniteError
-from jaxllmq.parallel.mesh import initialize_distributed
+from jaxllmq.parallel.mesh import MeshError, initialize_distributed
 
 
 def main(argv: list[str]) -> None:
@@ -29,6 +29,7 @@ def main(argv: list[str]) -> None:
         CheckpointError,
         OffloadError,
         MissingExtraError,
+        MeshError,
     )
     try:
         cfg = config.from_flags()  # every config dataclass validates itself: ValueError

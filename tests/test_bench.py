@@ -4,6 +4,8 @@ import dataclasses
 import subprocess
 import sys
 
+import pytest
+
 from jaxllmq import bench, train
 from jaxllmq.config import ModelSpec
 from jaxllmq.kernels import KERNELS
@@ -48,13 +50,20 @@ def test_kernel_choices_keep_the_fp8_quantize_in_xla_under_tensor_parallelism():
     assert with_tp == {"rms_norm": "pallas", "lm_head_loss": "pallas", "fp8_quantize": "xla"}
 
 
-def test_a_bad_flag_value_ends_in_one_line_naming_it():
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("--kernels=bogus", "error: --kernels must be auto, pallas"),
+        ("--gpus=16", "error: --gpus=16, but this process sees only 8 device(s)"),
+    ],
+)
+def test_a_bad_flag_value_ends_in_one_line_naming_it(flag, message):
     run = subprocess.run(
-        [sys.executable, "-m", "jaxllmq.bench", "--model=tiny", "--kernels=bogus"],
+        [sys.executable, "-m", "jaxllmq.bench", "--model=tiny", flag],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert run.returncode == 1
-    assert run.stderr.strip().splitlines()[-1].startswith("error: --kernels must be auto, pallas")
+    assert run.stderr.strip().splitlines()[-1].startswith(message)
     assert "Traceback" not in run.stderr

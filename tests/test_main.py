@@ -128,6 +128,7 @@ def test_bad_flags_exit_1_with_absl_message(shards, tmp_path, extra, message):
         # 160 rows on the 8 test devices: the train set (~1450 windows) has steps of them, the
         # eval set (~96 windows) not one batch.
         (["--batch_size=20"], "--eval_file"),
+        (["--gpus=16"], "--gpus=16, but this process sees only 8 device(s)"),
         # Written only after training: refused before it.
         (["--out_dir=/proc/nope/model"], "--out_dir: cannot write to /proc/nope/model (/proc"),
     ],

@@ -7,6 +7,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
+
+
+class MeshError(ValueError):
+    """The flags ask for a mesh these devices or this model cannot form; the message names them."""
+
+
 BATCH_AXES = (DATA, FSDP)  # the batch is split over every non-tensor device
 
 
@@ -19,10 +25,10 @@ def make_mesh(gpus: int = 0, *, tensor_parallel: int = 1, data_parallel: int = 1
     """
     local = jax.local_device_count()
     if gpus > local:
-        raise ValueError(f"--gpus={gpus}, but this process sees only {local} device(s)")
+        raise MeshError(f"--gpus={gpus}, but this process sees only {local} device(s)")
     per_process = gpus or local
     if per_process % tensor_parallel:
-        raise ValueError(
+        raise MeshError(
             f"--tensor_parallel={tensor_parallel} must divide the devices per process "
             f"({per_process}); change --tensor_parallel or --gpus"
         )
@@ -34,7 +40,7 @@ def make_mesh(gpus: int = 0, *, tensor_parallel: int = 1, data_parallel: int = 1
         chosen += [d for d in devices if d.process_index == p][:per_process]
     n = len(chosen)
     if n % (tensor_parallel * data_parallel):
-        raise ValueError(
+        raise MeshError(
             f"{n} devices cannot be split into --data_parallel={data_parallel} x "
             f"--tensor_parallel={tensor_parallel} groups"
         )

@@ -16,7 +16,7 @@ import dataclasses
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxllmq.parallel.mesh import FSDP, TENSOR
+from jaxllmq.parallel.mesh import FSDP, TENSOR, MeshError
 
 Rules = dict[str, str]
 
@@ -88,7 +88,7 @@ def check_tensor_parallel(tp: int, *, heads: int, kv_heads: int, ffn: int, vocab
         if size % tp
     ]
     if bad:
-        raise ValueError(
+        raise MeshError(
             f"--tensor_parallel={tp} does not divide {', '.join(bad)}; choose a tensor-parallel "
             "size that divides all of them"
         )
