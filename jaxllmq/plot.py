@@ -232,6 +232,9 @@ def main(argv: list[str]) -> None:
     paths = argv[1:]
     if not paths:
         raise app.UsageError("give one or more log files: python -m jaxllmq.plot LOG [LOG ...]")
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise app.UsageError(f"no such log file: {', '.join(missing)}")
     names = _names.value or _default_names(paths)
     if len(names) != len(paths):
         raise app.UsageError(f"--names has {len(names)} names for {len(paths)} logs")

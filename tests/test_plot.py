@@ -146,3 +146,11 @@ def test_cli_writes_png(tmp_path):
     cmd += ["--names=ours,theirs", "--width=6", "--height=4", "--dpi=50"]
     subprocess.run(cmd, check=True, capture_output=True)
     assert png_size(out) == (300, 200)
+
+
+def test_cli_names_a_missing_log(tmp_path):
+    missing = str(tmp_path / "nope.jsonl")
+    run = subprocess.run([sys.executable, "-m", "jaxllmq.plot", missing], capture_output=True)
+    assert run.returncode == 1
+    assert f"no such log file: {missing}" in run.stderr.decode()
+    assert b"Traceback" not in run.stderr
