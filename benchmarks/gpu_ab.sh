@@ -17,7 +17,7 @@ G=$(nvidia-smi -L | wc -l)
 run() {  # label dir gpu
   (cd "$2" && CUDA_VISIBLE_DEVICES=$3 PYTHONPATH=/tmp/site:$2 timeout 500 python3 -m jaxllmq.bench \
     --measure_matmul_ceiling=false --json "${FLAGS[@]}" 2>"$OUT/err-$1-gpu$3.txt") | grep '^{' |
-    python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); r["ab"]=sys.argv[1]; r["gpu"]=int(sys.argv[2]); print(json.dumps(r))' "$1" "$3" \
+    with_fields ab="$1" gpu="$3" \
     >> "$OUT/ab.jsonl" || echo "$1 on GPU $3 failed: $(tail -1 "$OUT/err-$1-gpu$3.txt")"
 }
 for round in 0 1; do

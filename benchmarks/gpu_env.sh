@@ -9,3 +9,11 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/d
   exit 1
 }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# with_fields KEY=VALUE...: the JSON object on stdin with these string fields added (a run's
+# label beside the bench's --json line)
+with_fields() {
+  python3 -c 'import json, sys
+r = json.loads(sys.stdin.read())
+r.update(kv.split("=", 1) for kv in sys.argv[1:])
+print(json.dumps(r))' "$@"
+}

@@ -59,8 +59,7 @@ speed_model() {  # gpu, model
     # shellcheck disable=SC2046
     CUDA_VISIBLE_DEVICES=$gpu timeout 240 python3 -m jaxllmq.bench --model=$m --batch_size=$batch \
       --seq_len=2048 $(variant $v) "${prof[@]}" "${BF16[@]}" 2>"$OUT/err-$label.txt" | grep '^{' | \
-      tail -1 | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); r["label"]=sys.argv[1]; print(json.dumps(r))' \
-      "$label" >> "$OUT/fp8_speed.jsonl" || tail -3 "$OUT/err-$label.txt"
+      tail -1 | with_fields label="$label" >> "$OUT/fp8_speed.jsonl" || tail -3 "$OUT/err-$label.txt"
     grep -A24 "device kernel time" "$OUT/err-$label.txt" > "$OUT/profile-$label.txt"
   done
 }

@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 env | grep -E "^(NCCL|XLA)_" || true
 common=(--model=llama-3.2-1b --batch_size=8 --seq_len=2048 --noscan_layers --bench_steps=12
         --measure_matmul_ceiling=false --json)
-tag() { python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); r["variant"]=sys.argv[1]; print(json.dumps(r))' "${VARIANT:-}"; }
+tag() { with_fields variant="${VARIANT:-}"; }
 # bench FLAGS...: one tagged JSON line in $OUT/scaling.jsonl; $SETTING (one NAME=value) is set for it
 bench() { env ${SETTING:+"$SETTING"} python3 -m jaxllmq.bench "${common[@]}" "$@" 2>"$OUT/err.txt" | grep '^{' | tail -1 | tag | tee -a "$OUT/scaling.jsonl" || tail -5 "$OUT/err.txt"; }
 # base FLAGS...: the one-GPU base on each GPU in turn (their rates differ by up to 1.5%, and a

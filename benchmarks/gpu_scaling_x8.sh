@@ -20,7 +20,7 @@ want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 bench() {  # label, flags... -> one JSON line (with "label") in $OUT/x8.jsonl; returns non-zero on failure
   local label=$1; shift
   python3 -m jaxllmq.bench --measure_matmul_ceiling=false --json "$@" 2>"$OUT/err-$label.txt" | grep '^{' | tail -1 | \
-    python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); r["label"]=sys.argv[1]; print(json.dumps(r))' "$label" \
+    with_fields label="$label" \
     | tee -a "$OUT/x8.jsonl" || { echo "$label failed: $(grep -m1 -o 'RESOURCE_EXHAUSTED.\{0,80\}\|Error.\{0,120\}' "$OUT/err-$label.txt")"; return 1; }
 }
 

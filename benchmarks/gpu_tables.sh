@@ -20,7 +20,7 @@ peers() {
 jb() {  # label, bench flags...
   local label=$1; shift
   CUDA_VISIBLE_DEVICES=0 python3 -m jaxllmq.bench "$@" 2>"$OUT/err-$label.txt" | grep '^{' | tail -1 | \
-    python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); r["label"]=sys.argv[1]; print(json.dumps(r))' "$label" >> "$OUT/jax.jsonl" \
+    with_fields label="$label" >> "$OUT/jax.jsonl" \
     || tail -3 "$OUT/err-$label.txt"
 }
 peers &

@@ -52,7 +52,7 @@ BASE="--model=llama-3.2-1b --batch_size=8 --seq_len=2048 --noscan_layers --model
 run() {  # name, env..., -- bench flags...
   local name=$1; shift; local envs=(); while [[ $1 != -- ]]; do envs+=("$1"); shift; done; shift
   env "${envs[@]}" python3 -m jaxllmq.bench $BASE "$@" 2>"$OUT/prof-$name.txt" | tail -1 | \
-    python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); r["variant"]=sys.argv[1]; print(json.dumps(r))' "$name" | tee -a "$OUT/profile.jsonl"
+    with_fields variant="$name" | tee -a "$OUT/profile.jsonl"
   grep -A30 "device kernel time" "$OUT/prof-$name.txt" | head -30
 }
 run base A=1 -- --profile_steps=3
@@ -76,7 +76,7 @@ probe() {  # label, batch sizes, flags...
     if python3 -m jaxllmq.bench --model=llama-3.1-8b --batch_size=$b --seq_len=2048 --noscan_layers \
         --model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16 --bench_steps=5 \
         --bench_warmup=1 --measure_matmul_ceiling=false --json "$@" 2>"$OUT/err-8b.txt" | grep '^{' | tail -1 | \
-        python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); r["label"]=sys.argv[1]; print(json.dumps(r))' "$label" >> "$OUT/8b.jsonl"; then
+        with_fields label="$label" >> "$OUT/8b.jsonl"; then
       echo "$label: batch $b fits"; return
     fi
     echo "$label: batch $b does not fit ($(grep -o 'RESOURCE_EXHAUSTED[^.]*' "$OUT/err-8b.txt" | head -1))"
