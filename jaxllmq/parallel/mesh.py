@@ -7,13 +7,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
+BATCH_AXES = (DATA, FSDP)  # the batch is split over every non-tensor device
 
 
 class MeshError(ValueError):
     """The flags ask for a mesh these devices or this model cannot form; the message names them."""
-
-
-BATCH_AXES = (DATA, FSDP)  # the batch is split over every non-tensor device
 
 
 def make_mesh(gpus: int = 0, *, tensor_parallel: int = 1, data_parallel: int = 1) -> Mesh:
