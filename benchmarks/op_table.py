@@ -1,13 +1,14 @@
 """Where the bench's train step spends its GPU time, op by op: each GEMM shape's ms per step and
 TFLOP/s (how far it falls short of the matmul ceiling), or with --table_kind=copy (fusion,
-nccl, ...) the ops of that kernel category with their result types. Runs the bench
+nccl, ...; several comma-separated, one table each from the same run) the ops of that kernel
+category with their result types. Runs the bench
 (`jaxllmq.bench`, same flags) under a trace, with XLA's command buffers off so that each kernel
 names its op, and the compiled step dumped; then joins the two (`jaxllmq.profile.op_table`).
 Command buffers off adds launch gaps to the step, not to the kernels. Not with --profile_steps
 (one trace at a time).
 
     python3 benchmarks/op_table.py --model=llama-3.2-1b --batch_size=8 --seq_len=2048 \\
-        --noscan_layers --bench_steps=5 --measure_matmul_ceiling=false [--table_kind=copy]
+        --noscan_layers --bench_steps=5 --measure_matmul_ceiling=false [--table_kind=copy,nccl]
 """
 
 import glob
@@ -29,11 +30,16 @@ from absl import app, flags  # noqa: E402  (XLA_FLAGS must be set before jax sta
 
 from jaxllmq import bench, config, profile  # noqa: E402
 
-_kind = flags.DEFINE_enum(
+_KINDS = [name for name, _ in profile.CATEGORIES]
+_kinds = flags.DEFINE_list(
     "table_kind",
-    "gemm",
-    [name for name, _ in profile.CATEGORIES],
-    "Which kernel category to list op by op.",
+    ["gemm"],
+    f"Which kernel categories to list op by op, one table each: any of {', '.join(_KINDS)}.",
+)
+flags.register_validator(
+    "table_kind",
+    lambda kinds: set(kinds) <= set(_KINDS),
+    f"--table_kind takes a comma-separated list of {', '.join(_KINDS)}",
 )
 
 
@@ -45,8 +51,10 @@ def main(argv: list[str]) -> None:
         if not dumps:
             raise SystemExit(f"error: no train step in the XLA dump under {DUMP}")
         with open(max(dumps, key=os.path.getsize)) as f:
-            rows = profile.op_table(trace, f.read(), module="jit_train_step", kind=_kind.value)
-    print(profile.format_op_table(rows, _kind.value))
+            hlo = f.read()
+        for kind in _kinds.value:
+            rows = profile.op_table(trace, hlo, module="jit_train_step", kind=kind)
+            print(profile.format_op_table(rows, kind))
 
 
 if __name__ == "__main__":
