@@ -268,9 +268,14 @@ class Llama(nnx.Module):
                 lambda x, pa: (layer(x, *pa), None), x_BxTxD, (stacked, fp8_amax)
             )
         else:
-            for i in range(cfg.num_hidden_layers):
+            # One split per stacked weight rather than an index per layer: the split's gradient
+            # is one concatenate of the layers' gradients, where L indexes transpose into L pads
+            # summed (on the 1B step's H200 profile, fusions at about 1 TB/s, about 4 ms).
+            n = cfg.num_hidden_layers
+            per_layer = {k: [p[0] for p in jnp.split(v, n)] for k, v in stacked.items()}
+            for i in range(n):
                 amax = jax.tree.map(operator.itemgetter(i), fp8_amax)  # None stays None
-                x_BxTxD = layer(x_BxTxD, {k: v[i] for k, v in stacked.items()}, amax)
+                x_BxTxD = layer(x_BxTxD, {k: v[i] for k, v in per_layer.items()}, amax)
         return rms_norm(
             x_BxTxD, self.norm[...].astype(self.dtype), cfg.rms_norm_eps, impl=self.norm_impl
         )
