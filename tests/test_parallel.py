@@ -60,6 +60,23 @@ def test_gradients_shard_from_zero_2():
         assert fraction == pytest.approx(expect, rel=1e-3), level
 
 
+@pytest.mark.parametrize("gpus, tp", [(2, 1), (4, 2), (8, 1)])
+def test_zero_1_splits_the_optimizer_state_on_leading_dims(gpus, tp):
+    """Layers (2 here) where the fsdp size divides them, else embed; the embedding by vocab."""
+    _, abstract, axes = train.abstract_model(CFG)
+    mesh = make_mesh(gpus, tensor_parallel=tp)
+    opt = rules.shardings(axes, abstract, rules.plan(1).opt, mesh)
+    fsdp_dim = lambda spec: list(spec).index("fsdp")  # gate_proj: [L, embed, mlp]
+    by_layer = mesh.shape["fsdp"] <= CFG.num_hidden_layers
+    assert fsdp_dim(opt["layers"]["gate_proj"].spec) == (0 if by_layer else 1)
+    assert opt["embed_tokens"].spec[0] == ("tensor", "fsdp")
+    # ZeRO-2 and 3 keep embed, where the backward reduce-scatters each layer's gradient.
+    assert (
+        rules.shardings(axes, abstract, rules.plan(2).opt, mesh)["layers"]["gate_proj"].spec[1]
+        == "fsdp"
+    )
+
+
 def test_compiled_memory_falls_with_the_level():
     batch = synthetic_batch(CFG, 1, 8, 32)
     sizes = []

@@ -12,18 +12,27 @@ the tensor axis in all three, at every level.
 """
 
 import dataclasses
+import math
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllmq.parallel.mesh import FSDP, TENSOR, MeshError
 
-Rules = dict[str, str]
+# Logical axis -> mesh axis, or mesh axes (major first) that split one dimension together.
+Rules = dict[str, str | tuple[str, ...]]
 
 TENSOR_RULES: Rules = {"q_heads": TENSOR, "kv_heads": TENSOR, "mlp": TENSOR, "vocab": TENSOR}
 # Every matrix has an embed (D) dimension and every norm weight a norm (D) one: sharding D over the
 # fsdp axis splits every large array evenly.
 ZERO_RULES: Rules = {"embed": FSDP, "norm": FSDP}
+# ZeRO-1's optimizer state is split on each array's leading dimension where it divides (layers;
+# the embedding's vocab, below its tensor-parallel split): its shard of the summed (replicated)
+# gradients is then a contiguous slice, and the updated parameters' all-gather concatenates whole
+# rows, where an embed split needs a transpose on each side (about 4 ms of the 1B step on two
+# H200s). Levels 2 and 3 keep embed: their gradients are reduce-scattered layer by layer in the
+# backward, which a split by layer would turn into one all-reduce at the end.
+ZERO1_OPT_RULES: Rules = {"layers": FSDP, "vocab": (TENSOR, FSDP), **ZERO_RULES}
 ZERO_LEVELS = (1, 2, 3)
 
 
@@ -41,7 +50,8 @@ def plan(zero_level: int) -> Plan:
     if zero_level not in ZERO_LEVELS:
         raise ValueError(f"--zero_level must be 1, 2 or 3, got {zero_level}")
     zero = lambda level: {**TENSOR_RULES, **ZERO_RULES} if zero_level >= level else TENSOR_RULES
-    return Plan(params=zero(3), grads=zero(2), opt=zero(1))
+    opt = {**TENSOR_RULES, **ZERO1_OPT_RULES} if zero_level == 1 else zero(1)
+    return Plan(params=zero(3), grads=zero(2), opt=opt)
 
 
 def spec(axes: tuple[str, ...], shape: tuple[int, ...], rules: Rules, mesh: Mesh) -> PartitionSpec:
@@ -53,12 +63,14 @@ def spec(axes: tuple[str, ...], shape: tuple[int, ...], rules: Rules, mesh: Mesh
     """
     used, out = set(), []
     for name, size in zip(axes, shape, strict=True):
-        mesh_axis = rules.get(name)
-        if mesh_axis is None or mesh_axis in used or size % mesh.shape[mesh_axis]:
+        mesh_axes = rules.get(name)
+        group = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes or ()
+        ways = math.prod(mesh.shape[a] for a in group)
+        if not group or used & set(group) or size % ways:
             out.append(None)
         else:
-            used.add(mesh_axis)
-            out.append(mesh_axis)
+            used.update(group)
+            out.append(mesh_axes)
     return PartitionSpec(*out)
 
 
