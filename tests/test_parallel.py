@@ -6,6 +6,7 @@ import re
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxllmq import train
 from jaxllmq.bench import synthetic_batch
@@ -152,3 +153,13 @@ def test_xla_loss_runs_per_device_without_tensor_parallelism():
 def test_tensor_parallel_that_does_not_divide_is_refused():
     with pytest.raises(ValueError, match="does not divide num_key_value_heads"):
         _build(8, 1, tp=8)
+
+
+def test_a_dimension_takes_the_mesh_axes_left_to_it():
+    mesh = make_mesh(8, tensor_parallel=2)  # fsdp 4 x tensor 2
+    rules_ = {"vocab": ("tensor", "fsdp"), "embed": "fsdp"}
+    # Tied embedding [V, D]: the vocab takes both axes; an untied head [D, V] keeps tensor on V.
+    assert rules.spec(("vocab", "embed"), (512, 64), rules_, mesh) == P(("tensor", "fsdp"), None)
+    assert rules.spec(("embed", "vocab"), (64, 512), rules_, mesh) == P("fsdp", "tensor")
+    # A vocab that tensor divides but tensor x fsdp does not keeps tensor; fsdp goes to embed.
+    assert rules.spec(("vocab", "embed"), (6, 64), rules_, mesh) == P("tensor", "fsdp")

@@ -57,20 +57,20 @@ def plan(zero_level: int) -> Plan:
 def spec(axes: tuple[str, ...], shape: tuple[int, ...], rules: Rules, mesh: Mesh) -> PartitionSpec:
     """PartitionSpec for one array: each logical axis mapped by `rules`, where its size divides.
 
-    A mesh axis is used once per array; a dimension that the mesh axis does not divide stays
-    whole (tensor-parallel sizes are checked up front by check_tensor_parallel, so this only
+    A mesh axis is used once per array, by the first dimension that names it. Of a dimension's
+    mesh axes, the longest major-first run that divides its size is used; none dividing leaves
+    it whole (tensor-parallel sizes are checked up front by check_tensor_parallel, so that only
     leaves small odd-sized arrays replicated).
     """
     used, out = set(), []
     for name, size in zip(axes, shape, strict=True):
         mesh_axes = rules.get(name)
         group = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes or ()
-        ways = math.prod(mesh.shape[a] for a in group)
-        if not group or used & set(group) or size % ways:
-            out.append(None)
-        else:
-            used.update(group)
-            out.append(mesh_axes)
+        group = [a for a in group if a not in used]  # e.g. fsdp already on an earlier dim
+        while group and size % math.prod(mesh.shape[a] for a in group):
+            group.pop()  # the major axes alone, if they divide
+        used.update(group)
+        out.append((group[0] if len(group) == 1 else tuple(group)) if group else None)
     return PartitionSpec(*out)
 
 
