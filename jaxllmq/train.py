@@ -289,7 +289,7 @@ def build(
         ffn=model_cfg.intermediate_size,
         vocab=model_cfg.vocab_size,
     )
-    tables = rules.plan(zero_level)
+    tables = rules.plan(zero_level, streamed_update=spec.offload.any)
     impls = kernel_choices(kernels, mesh)
     norm_impl, loss_impl = impls["rms_norm"], impls["lm_head_loss"]
     # A Pallas call has no partitioning rule: on several devices it runs per device's tokens

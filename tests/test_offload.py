@@ -110,6 +110,15 @@ def test_every_zero_level_on_8_devices_with_every_offload(zero_level):
     assert _train(built)[0] == losses
 
 
+def test_zero_1_spreads_each_layers_state_when_the_update_streams_by_layer():
+    # On the device ZeRO-1 splits its state by layer (2 layers over 2 devices here); the streamed
+    # update takes one layer at a time, which must then be spread over the devices (embed).
+    on_device = _moments(_build(2, 1).state.opt_state)[0]["layers"]["q_proj"]
+    streamed = _moments(_build(2, 1, offload=Offload(opt_m=True)).state.opt_state)[0]
+    assert on_device.sharding.spec[0] == "fsdp"
+    assert streamed["layers"]["q_proj"].sharding.spec[:2] == (None, "fsdp")
+
+
 def test_checkpoint_round_trip_of_host_resident_state(reference, offloaded, tmp_path):
     built = offloaded
     _, state = _train(built, steps=1)

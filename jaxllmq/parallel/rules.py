@@ -27,12 +27,15 @@ TENSOR_RULES: Rules = {"q_heads": TENSOR, "kv_heads": TENSOR, "mlp": TENSOR, "vo
 # fsdp axis splits every large array evenly.
 ZERO_RULES: Rules = {"embed": FSDP, "norm": FSDP}
 # ZeRO-1's optimizer state is split on each array's leading dimension where it divides (layers;
-# the embedding's vocab, below its tensor-parallel split): its shard of the summed (replicated)
+# the embedding's vocab, each tensor-parallel shard of it): its shard of the summed (replicated)
 # gradients is then a contiguous slice, and the updated parameters' all-gather concatenates whole
 # rows, where an embed split needs a transpose on each side (about 4 ms of the 1B step on two
 # H200s). Levels 2 and 3 keep embed: their gradients are reduce-scattered layer by layer in the
-# backward, which a split by layer would turn into one all-reduce at the end.
-ZERO1_OPT_RULES: Rules = {"layers": FSDP, "vocab": (TENSOR, FSDP), **ZERO_RULES}
+# backward, which a split by layer would turn into one all-reduce at the end. So does ZeRO-1
+# when the update streams one layer at a time (host offload), where each layer must be spread
+# over the devices.
+ZERO1_OPT_RULES: Rules = {"vocab": (TENSOR, FSDP), **ZERO_RULES}
+LAYER_SPLIT: Rules = {"layers": FSDP}
 ZERO_LEVELS = (1, 2, 3)
 
 
@@ -45,12 +48,14 @@ class Plan:
     opt: Rules
 
 
-def plan(zero_level: int) -> Plan:
-    """The three tables for a ZeRO level."""
+def plan(zero_level: int, streamed_update: bool = False) -> Plan:
+    """The three tables for a ZeRO level; `streamed_update`: the optimizer runs one layer at a
+    time (host offload)."""
     if zero_level not in ZERO_LEVELS:
         raise ValueError(f"--zero_level must be 1, 2 or 3, got {zero_level}")
     zero = lambda level: {**TENSOR_RULES, **ZERO_RULES} if zero_level >= level else TENSOR_RULES
-    opt = {**TENSOR_RULES, **ZERO1_OPT_RULES} if zero_level == 1 else zero(1)
+    by_layer = {} if streamed_update else LAYER_SPLIT
+    opt = {**TENSOR_RULES, **by_layer, **ZERO1_OPT_RULES} if zero_level == 1 else zero(1)
     return Plan(params=zero(3), grads=zero(2), opt=opt)
 
 
