@@ -6,7 +6,9 @@
 #   mkdir -p ab/a ab/b && git archive main jaxllmq | tar -x -C ab/a \
 #     && git archive exp/x jaxllmq | tar -x -C ab/b
 # Usage: bash benchmarks/gpu_ab.sh DIR_A DIR_B [bench flags...]   (default flags: the 1B step of
-# docs/PERFORMANCE.md); one JSON line per run in $OUT/ab.jsonl, a table at the end.
+# docs/PERFORMANCE.md); one JSON line per run in $OUT/ab.jsonl, a table at the end. A_FLAGS and
+# B_FLAGS (space-separated) add flags to one side only, e.g. B_FLAGS=--kernels=lm_head_loss=xla
+# (then DIR_A and DIR_B may be the same directory).
 source benchmarks/gpu_env.sh
 A=$(realpath "${1:?usage: gpu_ab.sh DIR_A DIR_B [bench flags...]}") B=$(realpath "${2:?DIR_B}")
 shift 2
@@ -14,9 +16,12 @@ FLAGS=("$@")
 ((${#FLAGS[@]})) || FLAGS=(--model=llama-3.2-1b --batch_size=8 --seq_len=2048 --noscan_layers
   --model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16 --bench_steps=20)
 G=$(nvidia-smi -L | wc -l)
+read -r -a SIDE_A <<< "${A_FLAGS:-}"
+read -r -a SIDE_B <<< "${B_FLAGS:-}"
 run() {  # label dir gpu
+  local -n side="SIDE_$1"
   (cd "$2" && CUDA_VISIBLE_DEVICES=$3 PYTHONPATH=/tmp/site:$2 timeout 500 python3 -m jaxllmq.bench \
-    --measure_matmul_ceiling=false --json "${FLAGS[@]}" 2>"$OUT/err-$1-gpu$3.txt") | grep '^{' |
+    --measure_matmul_ceiling=false --json "${FLAGS[@]}" "${side[@]}" 2>"$OUT/err-$1-gpu$3.txt") | grep '^{' |
     with_fields ab="$1" gpu="$3" \
     >> "$OUT/ab.jsonl" || echo "$1 on GPU $3 failed: $(tail -1 "$OUT/err-$1-gpu$3.txt")"
 }
