@@ -2,7 +2,8 @@
 
     with trace_steps(tmpdir): run a few steps
     breakdown(tmpdir, steps) -> {"categories": {...ms/step}, "kernels": [(name, ms/step, count)]}
-    op_table(tmpdir, hlo_text) -> [{"shape", "kernel", "ms", "ops", "tflops"}]  (GEMMs by shape)
+    op_table(tmpdir, hlo_text, kind="gemm") -> [{"shape", "kernel", "ms", "ops", "tflops"}]
+        (one kernel category's ops by shape; TFLOP/s for GEMMs)
 
 Reads the XSpace file jax.profiler writes (jax.profiler.ProfileData, no TensorBoard needed) and
 sums the kernels on each GPU stream line. Categories are told apart by kernel name; the mapping is
