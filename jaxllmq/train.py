@@ -104,12 +104,15 @@ def make_train_step(
     loss: LmHeadLoss = LmHeadLoss(),
     grad_shardings: dict | None = None,
     streams: Streams | None = None,
+    gather_params: Callable[[dict], dict] | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """The pure train step: accumulate grads over the micro-batches, normalize, update.
 
     grad_shardings (ZeRO-2/3): each micro-batch's gradients are constrained to these, so XLA
     reduce-scatters them instead of all-reducing, and the fp32 accumulator is sharded too.
     streams (host offload): the weights and the update stream to and from host memory.
+    gather_params: the updated parameters, computed where the optimizer state lives, to where
+    the parameters live (rules.gather_on_new_axis); None leaves that to XLA.
     """
     # Gradients for the params and, with delayed fp8 scaling, the reference amaxes: their
     # "gradient" is this micro-batch's amaxes (model/fp8_delayed.py).
@@ -163,6 +166,8 @@ def make_train_step(
                 grads, state.opt_state, state.params, grad_norm=norm
             )
             params = optax.apply_updates(state.params, updates)
+            if gather_params is not None:
+                params = gather_params(params)
         else:
             params, opt_state, norm = streams.update(grads, denom, state.opt_state, state.params)
         consecutive, total = nonfinite_counts(opt_state)
@@ -385,6 +390,9 @@ def build(
             loss=loss,
             grad_shardings=rules.shardings(axes, abstract, tables.grads, mesh),
             streams=streams,
+            gather_params=functools.partial(
+                rules.gather_on_new_axis, src=opt_param_shardings, dst=param_shardings
+            ),
         ),
         in_shardings=(state_sharding, data_sharding),
         out_shardings=(state_sharding, rep),

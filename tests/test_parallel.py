@@ -61,6 +61,28 @@ def test_gradients_shard_from_zero_2():
         assert fraction == pytest.approx(expect, rel=1e-3), level
 
 
+@pytest.mark.parametrize(
+    "src, dst, gathered",
+    [
+        (P(None, "fsdp", None), P(), True),  # ZeRO-2's stacked weight, split on embed
+        (P(None, ("tensor", "fsdp")), P(None, "tensor"), True),  # fsdp minor within tensor
+        (P(None, ("fsdp", "tensor")), P(None, "tensor"), False),  # fsdp major: left to XLA
+        (P("fsdp", None, None), P(), False),  # the leading dim: XLA's gather is contiguous
+        (P(None, "fsdp", "tensor"), P(None, None, None), False),  # tensor dropped too
+    ],
+)
+def test_the_updated_weights_are_gathered_on_a_new_leading_axis(src, dst, gathered):
+    mesh = make_mesh(8, tensor_parallel=2)  # fsdp 4 x tensor 2
+    x = jax.random.normal(jax.random.key(0), (8, 16, 24)[: len(src)])
+    s, t = (jax.sharding.NamedSharding(mesh, spec) for spec in (src, dst))
+    out = jax.jit(lambda a: rules.gather_on_new_axis(a, s, t), out_shardings=t)(
+        jax.device_put(x, s)
+    )
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
+    lowered = jax.jit(lambda a: rules.gather_on_new_axis(a, s, t)).lower(x).as_text()
+    assert ("all_gather" in lowered) == gathered
+
+
 @pytest.mark.parametrize("gpus, tp", [(2, 1), (4, 2), (8, 1)])
 def test_zero_1_splits_the_optimizer_state_on_leading_dims(gpus, tp):
     """Layers (2 here) where the fsdp size divides them, else embed; the embedding by vocab."""
@@ -144,8 +166,9 @@ def test_xla_loss_runs_per_device_without_tensor_parallelism():
     for tp, per_device in ((1, True), (2, False)):
         built = _build(8, 1, tp)
         batch = jax.device_put(BATCHES[0], built.batch_sharding)
-        lowered = built.train_step.lower(built.state, batch).as_text()
-        assert ("manual_computation" in lowered) == per_device, tp
+        # The locations name the function that placed each op (other shard_maps gather weights).
+        lowered = built.train_step.lower(built.state, batch).as_text(debug_info=True)
+        assert ("lm_head_loss_sharded" in lowered) == per_device, tp
 
 
 def test_tensor_parallel_that_does_not_divide_is_refused():
