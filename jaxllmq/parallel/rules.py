@@ -60,6 +60,11 @@ def plan(zero_level: int, streamed_update: bool = False) -> Plan:
     return Plan(params=zero(3), grads=zero(2), opt=opt)
 
 
+def _as_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """A rules value or PartitionSpec entry (one mesh axis, several, or None) as a tuple."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def spec(axes: tuple[str, ...], shape: tuple[int, ...], rules: Rules, mesh: Mesh) -> PartitionSpec:
     """PartitionSpec for one array: each logical axis mapped by `rules`, where its size divides.
 
@@ -70,9 +75,8 @@ def spec(axes: tuple[str, ...], shape: tuple[int, ...], rules: Rules, mesh: Mesh
     """
     used, out = set(), []
     for name, size in zip(axes, shape, strict=True):
-        mesh_axes = rules.get(name)
-        group = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes or ()
-        group = [a for a in group if a not in used]  # e.g. fsdp already on an earlier dim
+        # Axes an earlier dimension took stay with it (e.g. fsdp).
+        group = [a for a in _as_axes(rules.get(name)) if a not in used]
         while group and size % math.prod(mesh.shape[a] for a in group):
             group.pop()  # the major axes alone, if they divide
         used.update(group)
@@ -117,8 +121,7 @@ def _gathered_dim(src: PartitionSpec, dst: PartitionSpec, ndim: int) -> int | No
     has it, with fsdp the minor-most axis of that dimension's split; else None."""
 
     def entries(spec: PartitionSpec) -> list[tuple[str, ...]]:
-        padded = (*spec, *[None] * (ndim - len(spec)))
-        return [(e,) if isinstance(e, str) else tuple(e or ()) for e in padded]
+        return [_as_axes(e) for e in (*spec, *[None] * (ndim - len(spec)))]
 
     a, b = entries(src), entries(dst)
     diff = [d for d in range(ndim) if a[d] != b[d]]
