@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllmq.kernels import lm_head_mgpu
 from jaxllmq.kernels.cross_entropy import lm_head_loss, lm_head_loss_reference
 from jaxllmq.kernels.fp8_quantize import (
     Fp8QuantizeConfig,
@@ -239,6 +240,7 @@ def lm_check(n, d, v, cfg):
         ("xla", lm_grad("xla")),
         ("xla chunks=4", lm_grad("xla", chunks=4)),
         ("pallas", lm_grad("pallas", cfg=cfg)),
+        ("pallas mosaic", lm_grad("pallas", cfg=dataclasses.replace(cfg, lowering="mosaic"))),
     ]:
         o1, _, dh1, dw1 = jax.jit(fn)(h, w, t, m)
         log(
@@ -272,7 +274,30 @@ def lm_sweep(d, v):
     return best[1]
 
 
-def lm_time(n, d, v, cfg):
+def lm_mosaic_sweep(d, v):
+    """Time the Mosaic GPU kernel alone (with q, one chunk) per tile config; return the fastest."""
+    n = ARGS.lm_sweep_tokens
+    h, w, _, _ = lm_inputs(n, d, v, seed=2)
+    cpu = jax.default_backend() == "cpu"
+    best = (float("inf"), None)
+    for tm, tn, tk, stages in ARGS.lmm_configs:
+        tiles = lm_head_mgpu.MosaicTiles(tile_m=tm, tile_n=tn, tile_k=tk, stages=stages)
+        try:
+            c, *_ = compile_(
+                lambda h, w, t=tiles: lm_head_mgpu.lm_head_tiles(h, w, t, True, cpu), (h, w)
+            )
+            med, _ = timed(c, (h, w), iters=ARGS.iters_big, batch=3)
+        except Exception as e:
+            log(section="lmm_sweep", config=[tm, tn, tk, stages], error=str(e)[:800])
+            continue
+        tflops = 2 * n * d * v / med / 1e12
+        log(section="lmm_sweep", shape=[n, d, v], config=[tm, tn, tk, stages], ms=med * 1e3,
+            tflop_s=tflops)  # fmt: skip
+        best = min(best, (med, tiles), key=lambda p: p[0])
+    return best[1]
+
+
+def lm_time(n, d, v, cfg, mosaic=None):
     h, w, t, m = lm_inputs(n, d, v, seed=3)
     flops = 3 * 2 * n * d * v  # model FLOPs of forward + backward
 
@@ -299,9 +324,12 @@ def lm_time(n, d, v, cfg):
         ("pallas", "pallas", 1, cfg),
         ("pallas chunk=4k", "pallas", 1, dataclasses.replace(cfg, chunk_tokens=4096)),
     ]
+    if mosaic is not None:
+        on_mosaic = dataclasses.replace(cfg, lowering="mosaic", mosaic=mosaic)
+        variants.append(("pallas mosaic", "pallas", 1, on_mosaic))
     for name, impl, chunks, c in variants:
         section(f"lm_time {name}", run, name, lm_grad(impl, chunks, c), "fwd+bwd")
-    for name, impl, chunks, c in [variants[0], variants[2], variants[3]]:
+    for name, impl, chunks, c in [variants[0], variants[2], variants[3], *variants[5:]]:
         section(f"lm_time {name} fwd", run, name, lm_fwd(impl, chunks, c), "fwd")
 
 
@@ -354,10 +382,11 @@ def table() -> str:
             name = r["variant"] + (f" {r['config']}" if "config" in r else "")
             lines.append(f"{str(r['shape']):<20}{name:<22}{r['same_bytes']!s:>5}{r['us']:>9.1f}"
                          f"{r['tb_s']:>7.2f}")  # fmt: skip
-    lines.append(f"{'lm sweep':<24}{'config':<26}{'ms':>8}{'TF/s':>7}")
+    lines.append(f"{'lm sweep (mosaic: lmm)':<24}{'config':<26}{'ms':>8}{'TF/s':>7}")
     for r in ROWS:
-        if r.get("section") == "lm_sweep" and "ms" in r:
-            lines.append(f"{str(r['shape']):<24}{str(r['config']):<26}{r['ms']:>8.2f}"
+        if r.get("section") in ("lm_sweep", "lmm_sweep") and "ms" in r:
+            tag = "lmm " if r["section"] == "lmm_sweep" else ""
+            lines.append(f"{tag + str(r['shape']):<24}{str(r['config']):<26}{r['ms']:>8.2f}"
                          f"{r['tflop_s']:>7.0f}")  # fmt: skip
     lines.append(f"{'lm head [N, D, V]':<24}{'variant':<16}{'kind':<9}{'ms':>8}{'TF/s':>7}"
                  f"{'temp GiB':>10}")  # fmt: skip
@@ -391,7 +420,9 @@ def main() -> None:
         section(f"lm_sweep {d}x{v}", lambda d=d, v=v, out=chosen: out.append(lm_sweep(d, v)))
         cfg = (chosen and chosen[0]) or ARGS.lm_default
         log(section="lm_chosen", shape=[n, d, v], config=dataclasses.asdict(cfg))
-        lm_time(n, d, v, cfg)
+        tiles = []
+        section(f"lmm_sweep {d}x{v}", lambda d=d, v=v, out=tiles: out.append(lm_mosaic_sweep(d, v)))
+        lm_time(n, d, v, cfg, mosaic=tiles[0] if tiles else None)
     for n, d in ARGS.rms_shapes if "rms" in want else ():
         section(f"rms_time {d}", rms_time, n, d)
     print(table(), flush=True)
@@ -419,9 +450,10 @@ def parse() -> argparse.Namespace:
         a.rms_shapes = [(40, 96)]
         a.rms_block_rows = [2]
         a.rms_time_stack = 2
-        a.lm_shapes = [(64, 48, 300)]
-        a.lm_check_tokens, a.lm_sweep_tokens = 64, 32
+        a.lm_shapes = [(64, 48, 300), (128, 64, 256)]  # ragged; aligned to the Mosaic tiles
+        a.lm_check_tokens, a.lm_sweep_tokens = 64, 64
         a.lm_configs = [(16, 64, 16, 4, 2)]
+        a.lmm_configs = [(64, 64, 64, 2)]
         a.lm_default = LmHeadPallasConfig(block_m=16, block_v=64, block_k=16, chunk_tokens=32)
         a.iters_small = a.iters_big = 2
     else:
@@ -438,6 +470,8 @@ def parse() -> argparse.Namespace:
         a.lm_check_tokens, a.lm_sweep_tokens = 2048, 4096
         # (block_m, block_v, block_k, num_warps, num_stages)
         a.lm_configs = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)]
+        # Mosaic GPU kernel: (tile_m, tile_n, tile_k, stages); a CTA covers 2 * tile_n vocab
+        a.lmm_configs = [(128, 128, 64, 3), (128, 128, 64, 2), (128, 64, 64, 4), (64, 128, 64, 4)]
         a.lm_default = LmHeadPallasConfig()
         a.iters_small, a.iters_big = 30, 7
     return a

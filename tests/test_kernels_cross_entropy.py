@@ -6,11 +6,21 @@ import numpy as np
 import pytest
 
 from jaxllmq.kernels.cross_entropy import lm_head_loss, lm_head_loss_reference
+from jaxllmq.kernels.lm_head_mgpu import MosaicTiles
 from jaxllmq.kernels.lm_head_pallas import LmHeadPallasConfig
 
 # Small tiles so that the interpreter runs many of them: ragged vocab and hidden tiles, several
 # token groups and chunks.
 SMALL = LmHeadPallasConfig(block_m=16, block_v=64, block_k=32, group_m=2, chunk_tokens=48)
+# The Mosaic GPU kernel where the shapes are aligned to its 64-wide tiles, Triton elsewhere.
+MOSAIC = LmHeadPallasConfig(
+    block_m=64,
+    block_v=64,
+    block_k=32,
+    chunk_tokens=128,
+    lowering="mosaic",
+    mosaic=MosaicTiles(tile_m=64, tile_n=64, tile_k=64, stages=2),
+)
 
 
 def _seed() -> int:
@@ -74,6 +84,7 @@ IMPLS = [
     pytest.param(dict(impl="xla", chunks=1), id="xla"),
     pytest.param(dict(impl="xla", chunks=3), id="xla-chunks3"),
     pytest.param(dict(impl="pallas", pallas_config=SMALL), id="pallas"),
+    pytest.param(dict(impl="pallas", pallas_config=MOSAIC), id="pallas-mosaic"),
 ]
 
 
@@ -81,7 +92,8 @@ IMPLS = [
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(
     "n,d,v,z_loss",
-    [(100, 896, 1009, 1e-3), (37, 67, 257, 0.0)],  # hidden 896 / prime vocab; prime-ish all
+    # hidden 896 / prime vocab; prime-ish all; tile-aligned (Mosaic GPU's kernel)
+    [(100, 896, 1009, 1e-3), (37, 67, 257, 0.0), (100, 128, 512, 1e-3)],
 )
 def test_lm_head_loss_matches_reference(kw, dtype, n, d, v, z_loss):
     seed = _seed()
@@ -186,3 +198,27 @@ def test_pallas_lowers_to_triton_for_gpu(d, v):
 
     text = jax.jit(step).trace(h, w, t, m).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1  # one kernel, inside the scan over chunks
+
+
+@pytest.mark.parametrize(
+    "d,v,kernel",
+    [(2048, 128_256, "mosaic"), (4096, 128_256, "mosaic"), (896, 151_936, "triton")],
+)
+def test_mosaic_lowering_fits_the_gpu_at_real_shapes(d, v, kernel):
+    """The Hopper kernel lowers for the GPU (its shared memory within an H200 CTA's) at the
+    1B's and 8B's shapes, once, inside the scan over chunks; a vocabulary its tile pairs do not
+    divide (qwen2.5's 151,936 = 1,187 x 128) keeps the Triton kernel."""
+    n = 8 * 2048
+    h, w = jax.ShapeDtypeStruct((n, d), jnp.bfloat16), jax.ShapeDtypeStruct((d, v), jnp.bfloat16)
+    t, m = jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.bool_)
+    cfg = LmHeadPallasConfig(lowering="mosaic")
+
+    def step(h, w, t, m):
+        def loss(h, w):
+            return lm_head_loss(h, w, t, m, impl="pallas", pallas_config=cfg, interpret=False)
+
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(h, w)
+
+    text = jax.jit(step).trace(h, w, t, m).lower(lowering_platforms=("cuda",)).as_text()
+    calls = {"mosaic": "custom_call @mosaic_gpu", "triton": "__gpu$xla.gpu.triton"}
+    assert {k: text.count(c) for k, c in calls.items()} == {k: k == kernel for k in calls}

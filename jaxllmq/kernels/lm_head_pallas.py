@@ -23,6 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxllmq.kernels import _pallas as P
+from jaxllmq.kernels import lm_head_mgpu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,10 @@ class LmHeadPallasConfig:
     # less: on the 1B step (H200) 8192 against 2048 gave +0.8% tokens/s on each of two GPUs for
     # 3 GiB (docs/PERFORMANCE.md). --lmhead_chunks splits further where memory is short.
     chunk_tokens: int = 8192
+    # "triton": the kernel below; "mosaic": lm_head_mgpu's Hopper kernel where it applies
+    # (bf16 shapes aligned to its tiles; the Triton kernel elsewhere).
+    lowering: str = "triton"
+    mosaic: lm_head_mgpu.MosaicTiles = lm_head_mgpu.MosaicTiles()
     interpret: bool = False
 
 
@@ -125,22 +130,34 @@ def lm_head_tiles(
     )(h_NxD, w_DxV, targets_N.astype(jnp.int32))
 
 
+def _tiles(h_c, w, t_c, cfg: LmHeadPallasConfig, with_q: bool) -> tuple[jax.Array, ...]:
+    """lm_head_tiles through the configured lowering: (lse_part, target logit[, q])."""
+    (n, d), v = h_c.shape, w.shape[1]
+    if cfg.lowering == "mosaic" and lm_head_mgpu.applies(n, d, v, w.dtype, cfg.mosaic):
+        lse_part, *q = lm_head_mgpu.lm_head_tiles(h_c, w, cfg.mosaic, with_q, cfg.interpret)
+        # The target logit: each token's row of h against its target's column of w.
+        w_t = jnp.take(w, t_c, axis=1).T
+        tl = jnp.einsum("nd,nd->n", h_c, w_t, preferred_element_type=jnp.float32)
+        return lse_part, tl, *q
+    return lm_head_tiles(h_c, w, t_c, cfg, with_q)
+
+
 def chunk_stats(h_c, w, t_c, cfg: LmHeadPallasConfig):
     """(lse, target logit) of one chunk of tokens, no gradient work."""
-    lse_part, tl = lm_head_tiles(h_c, w, t_c, cfg, with_q=False)
+    lse_part, tl = _tiles(h_c, w, t_c, cfg, with_q=False)
     return jax.nn.logsumexp(lse_part, axis=0), tl
 
 
 def chunk_grads(h_c, w, t_c, m_c, z_loss: float, cfg: LmHeadPallasConfig):
     """(lse, target logit, d obj/dh [C, D] fp32, d obj/dw [D, V] fp32) of one chunk."""
     v = w.shape[1]
-    lse_part, tl, q = lm_head_tiles(h_c, w, t_c, cfg, with_q=True)
+    lse_part, tl, q = _tiles(h_c, w, t_c, cfg, with_q=True)
     lse = jax.nn.logsumexp(lse_part, axis=0)
     c = m_c.astype(jnp.float32)
     # softmax = q * exp(tile_lse - lse); d obj/d logits = m * (softmax * (1 + 2 z lse) - onehot).
     scale = (c * (1.0 + 2.0 * z_loss * lse))[None, :] * jnp.exp(lse_part - lse[None, :])
     n_c, n_v = h_c.shape[0], lse_part.shape[0]
-    p = (q.reshape(n_c, n_v, cfg.block_v) * scale.T[:, :, None]).reshape(n_c, -1)[:, :v]
+    p = (q.reshape(n_c, n_v, -1) * scale.T[:, :, None]).reshape(n_c, -1)[:, :v]
     onehot = jnp.arange(v)[None, :] == t_c[:, None]
     dlogits = (p - jnp.where(onehot, c[:, None], 0.0)).astype(w.dtype)
     dh = jnp.dot(dlogits, w.T, preferred_element_type=jnp.float32)

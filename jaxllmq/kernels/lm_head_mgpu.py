@@ -1,0 +1,142 @@
+"""The LM head's logsumexp tiles (and tile softmax q) as a Hopper kernel in Mosaic GPU.
+
+The same function as lm_head_pallas.lm_head_tiles, built the way Hopper matmuls are: TMA copies
+of h and w tiles into shared memory, a memory warpgroup that keeps `stages` of them in flight,
+and two compute warpgroups issuing wgmma, each on its own [tile_m, tile_n] half of the CTA's
+vocabulary tile. The Triton lowering's matmul ran at 500-560 TFLOP/s in this kernel against
+cuBLAS's 740 (docs/PERFORMANCE.md); this is the route to the latter. The epilogue folds each
+warpgroup's fp32 accumulator into its logsumexp piece and, for the gradient, writes the
+tile-local softmax q in the weight's dtype, both through shared memory and TMA.
+
+Shapes must be tile-aligned (tokens by tile_m, vocab by 2 * tile_n, hidden by tile_k) and
+16-bit; the target logit is not picked here (the caller gathers it). On CPU it runs in Mosaic GPU's
+interpret mode, which simulates the warpgroups, shared memory and barriers (the tests).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+    """Tile sizes of the Mosaic GPU kernel (multiples of 64)."""
+
+    tile_m: int = 128  # tokens per CTA
+    tile_n: int = 128  # vocabulary per compute warpgroup; a CTA covers 2 * tile_n
+    tile_k: int = 64  # hidden-dim step of the pipeline (128 bytes of bf16: one TMA swizzle)
+    # h and w tiles in flight: 3 x (16 + 32) KiB, plus 64 KiB of q staging, fits the 227 KiB
+    # of shared memory an H200 CTA gets; 4 does not.
+    stages: int = 3
+
+
+def applies(n: int, d: int, v: int, dtype, tiles: MosaicTiles) -> bool:
+    """Whether the kernel takes [n, d] x [d, v] in `dtype`: tile-aligned, 16-bit (wgmma would
+    round fp32 operands to tf32)."""
+    aligned = n % tiles.tile_m == 0 and v % (2 * tiles.tile_n) == 0 and d % tiles.tile_k == 0
+    return aligned and jnp.dtype(dtype).itemsize == 2
+
+
+def _interpret_params():
+    """Mosaic GPU's interpret mode (jax keeps its parameters class private)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def _swizzled(minor: int, dtype) -> tuple:
+    """Shared-memory transforms for tiles whose minor dim holds `minor` elements of dtype."""
+    swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)
+
+
+def lm_head_tiles(
+    h_NxD: jax.Array, w_DxV: jax.Array, tiles: MosaicTiles, with_q: bool, interpret: bool
+) -> tuple[jax.Array, ...]:
+    """Per-tile logsumexp [V / tile_n, N] fp32, and with_q the tile softmax q [N, V] in w's
+    dtype (softmax = q * exp(tile_lse - lse)), where the kernel `applies`."""
+    n, d = h_NxD.shape
+    v = w_DxV.shape[1]
+    tm, tn, tk = tiles.tile_m, tiles.tile_n, tiles.tile_k
+    dtype = w_DxV.dtype
+    if not applies(n, d, v, dtype, tiles):
+        raise ValueError(f"lm_head_mgpu: [{n}, {d}] x [{d}, {v}] {dtype} does not fit {tiles}")
+    in_transforms = _swizzled(tk, dtype)
+
+    def kernel(h_gmem, w_gmem, lse_gmem, q_gmem, lse_smem, q_smem):
+        rows = pl.ds(lax.axis_index("m") * tm, tm)
+        pair = lax.axis_index("n")  # this CTA's vocabulary: tiles 2 * pair and 2 * pair + 1
+
+        def epilogue(eval_pipeline):
+            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+            def _(acc_ref):
+                eval_pipeline(acc_ref)
+                wg = lax.axis_index("wg")
+                logits = acc_ref[...]
+                mx = logits.max(axis=1)
+                e = jnp.exp(logits - lax.broadcast_in_dim(mx, logits.shape, [0]))
+                s = e.sum(axis=1)
+                lse_smem.at[wg][...] = mx + jnp.log(s)
+                if with_q:
+                    q = e * lax.broadcast_in_dim(1.0 / s, logits.shape, [0])
+                    q_smem.at[wg][...] = q.astype(dtype)
+                plgpu.commit_smem()
+                tile = 2 * pair + wg
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[tile, rows])
+                if with_q:
+                    plgpu.copy_smem_to_gmem(q_smem.at[wg], q_gmem.at[rows, pl.ds(tile * tn, tn)])
+                plgpu.wait_smem_to_gmem(0)
+
+        def mma(_, h_smem, w_smem, acc_ref):
+            wg = lax.axis_index("wg")
+            plgpu.wgmma(acc_ref, h_smem, w_smem.at[:, pl.ds(wg * tn, tn)])
+            plgpu.wgmma_wait(0)
+            return acc_ref
+
+        pipeline = plgpu.emit_pipeline_warp_specialized(
+            mma,
+            grid=(d // tk,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((tm, tk), lambda k: (0, k), transforms=in_transforms),
+                plgpu.BlockSpec((tk, 2 * tn), lambda k: (k, 0), transforms=in_transforms),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=tiles.stages,
+            compute_context=epilogue,
+        )
+        pipeline(h_gmem.at[rows, :], w_gmem.at[:, pl.ds(pair * 2 * tn, 2 * tn)])
+
+    def entry(h_gmem, w_gmem, lse_gmem, q_gmem=None):
+        scratch = [plgpu.SMEM((2, tm), jnp.float32)]
+        if with_q:
+            scratch.append(plgpu.SMEM((2, tm, tn), dtype, transforms=_swizzled(tn, dtype)))
+        pl.run_scoped(
+            lambda lse_smem, q_smem=None: kernel(
+                h_gmem, w_gmem, lse_gmem, q_gmem, lse_smem, q_smem
+            ),
+            *scratch,
+            collective_axes="wg",
+        )
+
+    outs = [jax.ShapeDtypeStruct((v // tn, n), jnp.float32)]
+    if with_q:
+        outs.append(jax.ShapeDtypeStruct((n, v), dtype))
+    # Token tiles fastest: the CTAs that share a vocabulary tile run together, so it is read
+    # from memory once, while a chunk's h (8192 x 2048 bf16: 32 MiB) stays in L2.
+    return plgpu.kernel(
+        entry,
+        out_type=tuple(outs),
+        grid=(n // tm, v // (2 * tn)),
+        grid_names=("m", "n"),
+        num_threads=3,
+        thread_name="wg",
+        interpret=_interpret_params() if interpret else False,
+    )(h_NxD, w_DxV)
