@@ -3,7 +3,7 @@
 The same function as lm_head_pallas.lm_head_tiles, built the way Hopper matmuls are: TMA copies
 of h and w tiles into shared memory, a memory warpgroup that keeps `stages` of them in flight,
 and two compute warpgroups issuing wgmma, each on its own [tile_m, tile_n] half of the CTA's
-vocabulary tile. The Triton lowering's matmul ran at 500-560 TFLOP/s in this kernel against
+vocabulary tile. The CTAs are persistent (one per SM), each looping over output tiles. The Triton lowering's matmul ran at 500-560 TFLOP/s in this kernel against
 cuBLAS's 740 (docs/PERFORMANCE.md); this is the route to the latter. The epilogue folds each
 warpgroup's fp32 accumulator into its logsumexp piece and, for the gradient, writes the
 tile-local softmax q in the weight's dtype, both through shared memory and TMA.
@@ -33,6 +33,15 @@ class MosaicTiles:
     # h and w tiles in flight: 3 x (16 + 32) KiB, plus 64 KiB of q staging, fits the 227 KiB
     # of shared memory an H200 CTA gets; 4 does not.
     stages: int = 3
+    # CTAs, each looping over tiles (persistent: while one tile's epilogue runs, the memory
+    # warpgroup already loads the next tile's operands); 0: one per SM.
+    ctas: int = 0
+
+
+def _num_ctas(tiles: MosaicTiles, n_tiles: int) -> int:
+    if tiles.ctas:
+        return min(tiles.ctas, n_tiles)
+    return min(getattr(jax.devices()[0], "core_count", 0) or 132, n_tiles)
 
 
 def applies(n: int, d: int, v: int, dtype, tiles: MosaicTiles) -> bool:
@@ -69,37 +78,10 @@ def lm_head_tiles(
         raise ValueError(f"lm_head_mgpu: [{n}, {d}] x [{d}, {v}] {dtype} does not fit {tiles}")
     in_transforms = _swizzled(tk, dtype)
 
-    def kernel(h_gmem, w_gmem, lse_gmem, q_gmem, lse_smem, q_smem):
-        rows = pl.ds(lax.axis_index("m") * tm, tm)
-        pair = lax.axis_index("n")  # this CTA's vocabulary: tiles 2 * pair and 2 * pair + 1
+    m_iters, n_iters = n // tm, v // (2 * tn)
 
-        def epilogue(eval_pipeline):
-            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
-            def _(acc_ref):
-                eval_pipeline(acc_ref)
-                wg = lax.axis_index("wg")
-                logits = acc_ref[...]
-                mx = logits.max(axis=1)
-                e = jnp.exp(logits - lax.broadcast_in_dim(mx, logits.shape, [0]))
-                s = e.sum(axis=1)
-                lse_smem.at[wg][...] = mx + jnp.log(s)
-                if with_q:
-                    q = e * lax.broadcast_in_dim(1.0 / s, logits.shape, [0])
-                    q_smem.at[wg][...] = q.astype(dtype)
-                plgpu.commit_smem()
-                tile = 2 * pair + wg
-                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[tile, rows])
-                if with_q:
-                    plgpu.copy_smem_to_gmem(q_smem.at[wg], q_gmem.at[rows, pl.ds(tile * tn, tn)])
-                plgpu.wait_smem_to_gmem(0)
-
-        def mma(_, h_smem, w_smem, acc_ref):
-            wg = lax.axis_index("wg")
-            plgpu.wgmma(acc_ref, h_smem, w_smem.at[:, pl.ds(wg * tn, tn)])
-            plgpu.wgmma_wait(0)
-            return acc_ref
-
-        pipeline = plgpu.emit_pipeline_warp_specialized(
+    def make_pipeline(mma, epilogue):
+        return plgpu.emit_pipeline_warp_specialized(
             mma,
             grid=(d // tk,),
             memory_registers=40,
@@ -112,15 +94,62 @@ def lm_head_tiles(
             max_concurrent_steps=tiles.stages,
             compute_context=epilogue,
         )
-        pipeline(h_gmem.at[rows, :], w_gmem.at[:, pl.ds(pair * 2 * tn, 2 * tn)])
+
+    def mma(_, h_smem, w_smem, acc_ref):
+        wg = lax.axis_index("wg")
+        plgpu.wgmma(acc_ref, h_smem, w_smem.at[:, pl.ds(wg * tn, tn)])
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
+    def kernel(h_gmem, w_gmem, lse_gmem, q_gmem, lse_smem, q_smem, allocations):
+        # Tiles in token-major order: the CTAs running at once share a few vocabulary tiles
+        # (read from memory once) and sweep the chunk's h, which stays in L2.
+        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cta")
+        def _(info: plgpu.NDLoopInfo):
+            (lin,) = info.index
+            rows = pl.ds(lax.rem(lin, m_iters) * tm, tm)
+            pair = lax.div(lin, m_iters)  # vocabulary tiles 2 * pair and 2 * pair + 1
+
+            def epilogue(eval_pipeline):
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+                def _(acc_ref):
+                    eval_pipeline(acc_ref)
+                    wg = lax.axis_index("wg")
+                    logits = acc_ref[...]
+                    mx = logits.max(axis=1)
+                    e = jnp.exp(logits - lax.broadcast_in_dim(mx, logits.shape, [0]))
+                    s = e.sum(axis=1)
+                    # The previous tile's stores must have read the staging buffers.
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    lse_smem.at[wg][...] = mx + jnp.log(s)
+                    if with_q:
+                        q = e * lax.broadcast_in_dim(1.0 / s, logits.shape, [0])
+                        q_smem.at[wg][...] = q.astype(dtype)
+                    plgpu.commit_smem()
+                    tile = 2 * pair + wg
+                    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[tile, rows])
+                    if with_q:
+                        q_dst = q_gmem.at[rows, pl.ds(tile * tn, tn)]
+                        plgpu.copy_smem_to_gmem(q_smem.at[wg], q_dst)
+
+            make_pipeline(mma, epilogue)(
+                h_gmem.at[rows, :],
+                w_gmem.at[:, pl.ds(pair * 2 * tn, 2 * tn)],
+                allocations=allocations,
+            )
+
+        plgpu.wait_smem_to_gmem(0)
 
     def entry(h_gmem, w_gmem, lse_gmem, q_gmem=None):
-        scratch = [plgpu.SMEM((2, tm), jnp.float32)]
-        if with_q:
-            scratch.append(plgpu.SMEM((2, tm, tn), dtype, transforms=_swizzled(tn, dtype)))
+        ignore = lambda *_, **__: None
+        scratch = [
+            make_pipeline(ignore, ignore).get_allocations(h_gmem, w_gmem),
+            plgpu.SMEM((2, tm), jnp.float32),
+            plgpu.SMEM((2, tm, tn), dtype, transforms=_swizzled(tn, dtype)) if with_q else None,
+        ]
         pl.run_scoped(
-            lambda lse_smem, q_smem=None: kernel(
-                h_gmem, w_gmem, lse_gmem, q_gmem, lse_smem, q_smem
+            lambda allocations, lse_smem, q_smem: kernel(
+                h_gmem, w_gmem, lse_gmem, q_gmem, lse_smem, q_smem, allocations
             ),
             *scratch,
             collective_axes="wg",
@@ -129,13 +158,11 @@ def lm_head_tiles(
     outs = [jax.ShapeDtypeStruct((v // tn, n), jnp.float32)]
     if with_q:
         outs.append(jax.ShapeDtypeStruct((n, v), dtype))
-    # Token tiles fastest: the CTAs that share a vocabulary tile run together, so it is read
-    # from memory once, while a chunk's h (8192 x 2048 bf16: 32 MiB) stays in L2.
     return plgpu.kernel(
         entry,
         out_type=tuple(outs),
-        grid=(n // tm, v // (2 * tn)),
-        grid_names=("m", "n"),
+        grid=(_num_ctas(tiles, m_iters * n_iters),),
+        grid_names=("cta",),
         num_threads=3,
         thread_name="wg",
         interpret=_interpret_params() if interpret else False,
