@@ -109,7 +109,8 @@ _kernels = flags.DEFINE_string(
     "auto",
     "Fused Pallas kernels (rms_norm, lm_head_loss, fp8_quantize) or XLA: auto|pallas|xla for "
     "all, or per kernel, e.g. rms_norm=pallas,lm_head_loss=xla; auto = what measured faster on "
-    "one GPU, or on several (there: the fp8 quantize pass in Pallas, the rest XLA).",
+    "one GPU, or on several (there: the fp8 quantize pass in Pallas, the rest XLA). "
+    "lm_head_loss=mosaic: its kernel in Mosaic GPU (Hopper; bf16, tile-aligned shapes).",
 )
 _lmhead_chunks = flags.DEFINE_integer(
     "lmhead_chunks",

@@ -299,7 +299,7 @@ def build(
     norm_impl, loss_impl = impls["rms_norm"], impls["lm_head_loss"]
     # A Pallas call has no partitioning rule: on several devices it runs per device's tokens
     # (under shard_map over this mesh; None: one call over the whole batch).
-    per_device = lambda impl: mesh if impl == "pallas" and mesh.size > 1 else None
+    per_device = lambda impl: mesh if impl in ("pallas", "mosaic") and mesh.size > 1 else None
     # The XLA loss too, without tensor parallelism (which splits the vocab): per device, its
     # weight gradient is cast to the compute dtype before shard_map sums it across devices,
     # where XLA's partitioner reduced the fp32 product, twice the bytes.

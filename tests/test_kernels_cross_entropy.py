@@ -12,13 +12,12 @@ from jaxllmq.kernels.lm_head_pallas import LmHeadPallasConfig
 # Small tiles so that the interpreter runs many of them: ragged vocab and hidden tiles, several
 # token groups and chunks.
 SMALL = LmHeadPallasConfig(block_m=16, block_v=64, block_k=32, group_m=2, chunk_tokens=48)
-# The Mosaic GPU kernel where the shapes are aligned to its 64-wide tiles, Triton elsewhere.
+# impl "mosaic": the Mosaic GPU kernel where the shapes suit its 64-wide tiles, Triton elsewhere.
 MOSAIC = LmHeadPallasConfig(
     block_m=64,
     block_v=64,
     block_k=32,
     chunk_tokens=128,
-    lowering="mosaic",
     mosaic=MosaicTiles(tile_m=64, tile_n=64, tile_k=64, stages=2, ctas=3),
 )
 
@@ -84,7 +83,7 @@ IMPLS = [
     pytest.param(dict(impl="xla", chunks=1), id="xla"),
     pytest.param(dict(impl="xla", chunks=3), id="xla-chunks3"),
     pytest.param(dict(impl="pallas", pallas_config=SMALL), id="pallas"),
-    pytest.param(dict(impl="pallas", pallas_config=MOSAIC), id="pallas-mosaic"),
+    pytest.param(dict(impl="mosaic", pallas_config=MOSAIC), id="mosaic"),
 ]
 
 
@@ -161,7 +160,7 @@ def test_forward_only_paths_match_reference():
     # The Mosaic GPU kernel without q, on bf16 shapes aligned to its tiles, 3 CTAs looping.
     h, w, t, m = _inputs(100, 128, 512, jnp.bfloat16, seed)
     obj0, aux0 = jax.jit(lambda h, w: lm_head_loss_reference(h, w, t, m, z_loss=1e-3))(h, w)
-    loss = lambda h, w: lm_head_loss(h, w, t, m, z_loss=1e-3, impl="pallas", pallas_config=MOSAIC)
+    loss = lambda h, w: lm_head_loss(h, w, t, m, z_loss=1e-3, impl="mosaic", pallas_config=MOSAIC)
     obj, aux = jax.jit(loss)(h, w)
     assert _rel(obj, obj0) < 1e-5, seed
     for k in aux0:
@@ -219,11 +218,10 @@ def test_mosaic_lowering_fits_the_gpu_at_real_shapes(d, v, kernel):
     n = 8 * 2048
     h, w = jax.ShapeDtypeStruct((n, d), jnp.bfloat16), jax.ShapeDtypeStruct((d, v), jnp.bfloat16)
     t, m = jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.bool_)
-    cfg = LmHeadPallasConfig(lowering="mosaic")
 
     def step(h, w, t, m):
         def loss(h, w):
-            return lm_head_loss(h, w, t, m, impl="pallas", pallas_config=cfg, interpret=False)
+            return lm_head_loss(h, w, t, m, impl="mosaic", interpret=False)
 
         return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(h, w)
 

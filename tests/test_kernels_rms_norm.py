@@ -162,6 +162,12 @@ def test_resolve_impl():
     assert resolve_impl("lm_head_loss=pallas", "rms_norm", platform="cpu") == "xla"
     with pytest.raises(ValueError, match="kernel=impl"):
         resolve_impl("rms_norm=cuda", "rms_norm")
+    # Mosaic GPU is a choice for the LM-head loss only, and never what auto picks.
+    assert resolve_impl("lm_head_loss=mosaic", "lm_head_loss", platform="gpu") == "mosaic"
+    with pytest.raises(ValueError, match="lm_head_loss also mosaic"):
+        resolve_impl("rms_norm=mosaic", "rms_norm")
+    with pytest.raises(ValueError, match="auto, pallas or xla"):
+        resolve_impl("mosaic", "lm_head_loss")
     with pytest.raises(ValueError, match="unknown kernel"):
         resolve_impl("auto", "softmax")
     with pytest.raises(ValueError, match="unknown impl"):

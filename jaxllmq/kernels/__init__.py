@@ -23,7 +23,8 @@ AUTO_MULTI_GPU = {"rms_norm": "xla", "lm_head_loss": "xla", "fp8_quantize": "pal
 
 
 def parse_kernels(kernels: str) -> dict[str, str]:
-    """--kernels as a choice per kernel: "auto"/"pallas"/"xla" for all, or "name=impl,..."."""
+    """--kernels as a choice per kernel: "auto"/"pallas"/"xla" for all, or "name=impl,..."
+    (the LM-head loss also takes "mosaic": its Pallas kernel in Mosaic GPU, for Hopper)."""
     choices = ("auto", "pallas", "xla")
     if "=" not in kernels:
         if kernels not in choices:
@@ -34,10 +35,12 @@ def parse_kernels(kernels: str) -> dict[str, str]:
     out = dict.fromkeys(KERNELS, "auto")
     for part in kernels.split(","):
         name, _, impl = part.partition("=")
-        if name not in KERNELS or impl not in choices:
+        allowed = choices + (("mosaic",) if name == "lm_head_loss" else ())
+        if name not in KERNELS or impl not in allowed:
             raise ValueError(
                 f"--kernels: {part!r} is not kernel=impl with kernel in {', '.join(KERNELS)} "
-                "and impl auto, pallas or xla (e.g. --kernels=rms_norm=pallas,lm_head_loss=xla)"
+                "and impl auto, pallas or xla (lm_head_loss also mosaic), e.g. "
+                "--kernels=rms_norm=pallas,lm_head_loss=xla"
             )
         out[name] = impl
     return out
@@ -46,7 +49,8 @@ def parse_kernels(kernels: str) -> dict[str, str]:
 def resolve_impl(
     kernels: str, kernel: str, *, platform: str | None = None, num_devices: int = 1
 ) -> str:
-    """Implementation ("pallas" or "xla") of `kernel` for the `--kernels` setting.
+    """Implementation ("pallas", "xla", or for the LM-head loss "mosaic") of `kernel` for the
+    `--kernels` setting.
 
     auto: XLA on CPU (Pallas there only interprets); on one GPU whichever measured faster
     (AUTO_GPU); on several, AUTO_MULTI_GPU. A Pallas call has no SPMD partitioning rule: on

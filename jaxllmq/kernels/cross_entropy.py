@@ -10,6 +10,7 @@ Three ways to compute the same function:
 - "pallas": the same scan, with each chunk's logits never written: a fused Pallas kernel
   (lm_head_pallas) reduces logit tiles to logsumexp pieces in registers and writes the tile-local
   softmax for the backward matmuls. Without a gradient it is one kernel over all tokens.
+  "mosaic": the same with the kernel in Mosaic GPU (lm_head_mgpu, Hopper) where it applies.
 
 Chunks take every chunks-th token (chunk j = tokens j, j+chunks, ...), so a token axis sharded
 over devices stays sharded inside each chunk. A Pallas call has no SPMD partitioning rule, so
@@ -194,10 +195,18 @@ def lm_head_loss(
     (chunks=1: all of them at once); its backward matmuls run in the compute dtype, where the
     reference's autodiff runs them in fp32 (TF32 on GPU: 65 of 280 ms of a 1B step on an H200).
     impl "pallas" never writes logits; its gradient uses max(chunks, N / pallas_config.chunk_tokens)
-    chunks. The gradient flows to h and w only.
+    chunks. impl "mosaic" is "pallas" with the kernel's Mosaic GPU lowering (lm_head_mgpu) where
+    it applies. The gradient flows to h and w only.
     """
-    if impl not in ("xla", "pallas"):
-        raise ValueError(f"lm_head_loss: unknown impl {impl!r} (expected 'xla' or 'pallas')")
+    if impl not in ("xla", "pallas", "mosaic"):
+        raise ValueError(
+            f"lm_head_loss: unknown impl {impl!r} (expected 'xla', 'pallas' or 'mosaic')"
+        )
+    if impl == "mosaic":
+        impl = "pallas"
+        pallas_config = dataclasses.replace(
+            pallas_config or LmHeadPallasConfig(), lowering="mosaic"
+        )
     if chunks < 1:
         raise ValueError(f"lm_head_loss: chunks must be >= 1, got {chunks}")
     dtype = jnp.result_type(h_NxD, w_DxV)
