@@ -110,7 +110,8 @@ _kernels = flags.DEFINE_string(
     "Fused Pallas kernels (rms_norm, lm_head_loss, fp8_quantize) or XLA: auto|pallas|xla for "
     "all, or per kernel, e.g. rms_norm=pallas,lm_head_loss=xla; auto = what measured faster on "
     "one GPU, or on several (there: the fp8 quantize pass in Pallas, the rest XLA). "
-    "lm_head_loss=mosaic: its kernel in Mosaic GPU (Hopper; bf16, tile-aligned shapes).",
+    "lm_head_loss=mosaic: its kernel in Mosaic GPU (bf16, tile-aligned shapes), auto's choice on "
+    "one Hopper GPU.",
 )
 _lmhead_chunks = flags.DEFINE_integer(
     "lmhead_chunks",

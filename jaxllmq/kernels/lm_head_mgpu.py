@@ -3,8 +3,9 @@
 The same function as lm_head_pallas.lm_head_tiles, built the way Hopper matmuls are: TMA copies
 of h and w tiles into shared memory, a memory warpgroup that keeps `stages` of them in flight,
 and two compute warpgroups issuing wgmma, each on its own [tile_m, tile_n] half of the CTA's
-vocabulary tile. The CTAs are persistent (one per SM), each looping over output tiles. The Triton lowering's matmul ran at 500-560 TFLOP/s in this kernel against
-cuBLAS's 740 (docs/PERFORMANCE.md); this is the route to the latter. The epilogue folds each
+vocabulary tile. The CTAs are persistent (one per SM), each looping over output tiles. On an
+H200 at the 1B's shapes it runs at 649 TFLOP/s with its q, where the Triton lowering's runs at
+536 and cuBLAS's plain GEMMs at 740 (docs/PERFORMANCE.md). The epilogue folds each
 warpgroup's fp32 accumulator into its logsumexp piece and, for the gradient, writes the
 tile-local softmax q in the weight's dtype, both through shared memory and TMA.
 
