@@ -12,6 +12,7 @@ from jaxllmq.kernels.rms_norm import (
     add_rms_norm_reference,
     rms_norm,
     rms_norm_reference,
+    rms_norm_tee,
 )
 
 
@@ -117,6 +118,29 @@ def test_add_rms_norm_pallas_matches_reference(dtype, shape, eps, scale, config)
     y_ref, s_ref = jax.jit(add_rms_norm_reference, static_argnums=3)(x, r, w, eps)
     np.testing.assert_array_equal(s_xla, s_ref)
     np.testing.assert_array_equal(y_xla, y_ref)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape,eps,scale,config", CASES[1:3])
+def test_rms_norm_tee_adds_the_input_gradient(dtype, shape, eps, scale, config):
+    # (norm, x) with the passed-through x's gradient added into dx by the backward kernel.
+    seed = _seed()
+    x, w, dy, dx_through = _inputs(shape, scale, dtype, seed)
+
+    def fwd_bwd(fn, x, w):
+        out, vjp = jax.vjp(fn, x, w)
+        return (*out, *vjp((dy.astype(x.dtype), dx_through.astype(x.dtype))))
+
+    tee = lambda impl: lambda x, w: rms_norm_tee(x, w, eps, impl=impl, config=config)  # noqa: E731
+    got = jax.jit(lambda x, w: fwd_bwd(tee("pallas"), x, w))(x, w)
+    want = jax.jit(lambda x, w: fwd_bwd(tee("xla"), x, w))(_f32(x), _f32(w))
+    np.testing.assert_array_equal(got[1], x)
+    for name, g, r in zip(("y", "x", "dx", "dw"), got, want, strict=True):
+        err = _rel(g, r)
+        assert err < TOL[dtype], f"{name}: rel err {err:.2e} (seed {seed})"
+    # Without the passed-through gradient dx would be the norm's alone: far off.
+    dx_norm = jax.vjp(lambda x: rms_norm_reference(x, _f32(w), eps), _f32(x))[1](_f32(dy))[0]
+    assert _rel(got[2], dx_norm) > 10 * TOL[dtype]
 
 
 def test_rms_norm_is_not_the_identity_of_a_wrong_kernel():

@@ -138,3 +138,37 @@ def test_sliding_window_is_refused_past_its_length():
     model(jnp.zeros((1, 16), jnp.int32))
     with pytest.raises(ValueError, match="sliding_window 16"):
         model(jnp.zeros((1, 17), jnp.int32))
+
+
+@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize("bias", [False, True])
+def test_qkv_input_gradient_as_one_gemm(scan, bias):
+    # fuse_qkv_grads: the same loss and gradients, with q/k/v's three input-gradient GEMMs (and
+    # their three weight-gradient GEMMs) each replaced by one per layer.
+    cfg = dataclasses.replace(preset("tiny"), num_hidden_layers=2, attention_bias=bias)
+    tokens = jax.random.randint(jax.random.key(2), (2, 33), 0, cfg.vocab_size)
+    params = params_of(Llama(cfg, rngs=nnx.Rngs(0)))
+    if bias:  # Llama initializes them to zero; nonzero ones must reach the gradients too
+        params["layers"]["q_bias"] = params["layers"]["q_bias"] + 0.1
+
+    def loss_and_grads(fuse):
+        graphdef, _, _ = abstract_model(
+            cfg, scan_layers=scan, attention="xla", fuse_qkv_grads=fuse
+        )
+
+        def loss(p):
+            logits = nnx.merge(graphdef, p).logits(tokens[:, :-1])
+            logp = jax.nn.log_softmax(logits)
+            return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+
+        fn = jax.value_and_grad(loss)
+        dots = str(jax.make_jaxpr(fn)(params)).count("dot_general")
+        return jax.jit(fn)(params), dots
+
+    (l0, g0), dots0 = loss_and_grads(False)
+    (l1, g1), dots1 = loss_and_grads(True)
+    assert abs(float(l0) - float(l1)) <= 2e-7 * abs(float(l0))
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
+        assert float(jnp.linalg.norm(a - b)) <= 1e-5 * float(jnp.linalg.norm(b)) + 1e-12
+    layers_traced = 1 if scan else cfg.num_hidden_layers
+    assert dots0 - dots1 == 4 * layers_traced

@@ -5,7 +5,9 @@ Two implementations behind one interface: "xla" (the pure-JAX reference, fused b
 x once and writes y once; the backward reads x and dy once, writes dx once, and recomputes the
 row statistics instead of saving them (a reduction over a row already in registers is free next
 to the memory traffic). `add_rms_norm` fuses the residual add that precedes every norm in the
-model, so the sum is written once and never re-read for the statistics.
+model, so the sum is written once and never re-read for the statistics. `rms_norm_tee` also
+returns its input, whose other uses' gradient its backward kernel adds into dx (the residual
+stream's gradient, which XLA would otherwise add in a pass of its own).
 
 A Pallas call has no SPMD partitioning rule: under a multi-device mesh call it inside shard_map
 (rows are independent), or use "xla" (what resolve_impl's auto does there).
@@ -212,6 +214,24 @@ def _add_rms_norm_pallas_bwd(eps, cfg, res, cts):
 _add_rms_norm_pallas.defvjp(_add_rms_norm_pallas_fwd, _add_rms_norm_pallas_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rms_norm_tee_pallas(x2, w, eps, cfg):
+    return _fwd(x2, None, w, eps, cfg), x2
+
+
+def _rms_norm_tee_pallas_fwd(x2, w, eps, cfg):
+    return _rms_norm_tee_pallas(x2, w, eps, cfg), (x2, w)
+
+
+def _rms_norm_tee_pallas_bwd(eps, cfg, res, cts):
+    x2, w = res
+    dy, dx_through = cts
+    return _bwd(x2, w, dy, dx_through, eps, cfg)  # the kernel adds dx_through into dx
+
+
+_rms_norm_tee_pallas.defvjp(_rms_norm_tee_pallas_fwd, _rms_norm_tee_pallas_bwd)
+
+
 def _config(cfg: RmsNormConfig | None, interpret: bool | None) -> RmsNormConfig:
     cfg = cfg or RmsNormConfig()
     return dataclasses.replace(
@@ -236,6 +256,28 @@ def rms_norm(
         y2 = _rms_norm_pallas(x2, weight, float(eps), _config(config, interpret))
         return y2.reshape(x.shape)
     raise ValueError(f"rms_norm: unknown impl {impl!r} (expected 'xla' or 'pallas')")
+
+
+def rms_norm_tee(
+    x: jax.Array,
+    weight: jax.Array,
+    eps: float,
+    *,
+    impl: str = "xla",
+    config: RmsNormConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """(rms_norm(x), x): use the second for x's other uses (the residual stream), so that under
+    "pallas" their gradient is added in the norm's backward kernel."""
+    if impl == "xla":
+        return rms_norm_reference(x, weight, eps), x
+    if impl == "pallas":
+        d = x.shape[-1]
+        y2, x2 = _rms_norm_tee_pallas(
+            x.reshape(-1, d), weight, float(eps), _config(config, interpret)
+        )
+        return y2.reshape(x.shape), x2.reshape(x.shape)
+    raise ValueError(f"rms_norm_tee: unknown impl {impl!r} (expected 'xla' or 'pallas')")
 
 
 def add_rms_norm(
