@@ -152,9 +152,7 @@ def test_qkv_input_gradient_as_one_gemm(scan, bias):
         params["layers"]["q_bias"] = params["layers"]["q_bias"] + 0.1
 
     def loss_and_grads(fuse):
-        graphdef, _, _ = abstract_model(
-            cfg, scan_layers=scan, attention="xla", fuse_qkv_grads=fuse
-        )
+        graphdef, _, _ = abstract_model(cfg, scan_layers=scan, attention="xla", fuse_qkv_grads=fuse)
 
         def loss(p):
             logits = nnx.merge(graphdef, p).logits(tokens[:, :-1])
