@@ -280,18 +280,20 @@ def lm_mosaic_sweep(d, v):
     h, w, _, _ = lm_inputs(n, d, v, seed=2)
     cpu = jax.default_backend() == "cpu"
     best = (float("inf"), None)
-    for tm, tn, tk, stages in ARGS.lmm_configs:
-        tiles = lm_head_mgpu.MosaicTiles(tile_m=tm, tile_n=tn, tile_k=tk, stages=stages)
+    for tm, tn, tk, stages, cm, sem in ARGS.lmm_configs:
+        tiles = lm_head_mgpu.MosaicTiles(
+            tile_m=tm, tile_n=tn, tile_k=tk, stages=stages, cluster_m=cm, semantics=sem
+        )
         try:
             c, *_ = compile_(
                 lambda h, w, t=tiles: lm_head_mgpu.lm_head_tiles(h, w, t, True, cpu), (h, w)
             )
             med, _ = timed(c, (h, w), iters=ARGS.iters_big, batch=3)
         except Exception as e:
-            log(section="lmm_sweep", config=[tm, tn, tk, stages], error=str(e)[:800])
+            log(section="lmm_sweep", config=[tm, tn, tk, stages, cm, sem], error=str(e)[:800])
             continue
         tflops = 2 * n * d * v / med / 1e12
-        log(section="lmm_sweep", shape=[n, d, v], config=[tm, tn, tk, stages], ms=med * 1e3,
+        log(section="lmm_sweep", shape=[n, d, v], config=[tm, tn, tk, stages, cm, sem], ms=med * 1e3,
             tflop_s=tflops)  # fmt: skip
         best = min(best, (med, tiles), key=lambda p: p[0])
     return best[1]
@@ -382,11 +384,11 @@ def table() -> str:
             name = r["variant"] + (f" {r['config']}" if "config" in r else "")
             lines.append(f"{str(r['shape']):<20}{name:<22}{r['same_bytes']!s:>5}{r['us']:>9.1f}"
                          f"{r['tb_s']:>7.2f}")  # fmt: skip
-    lines.append(f"{'lm sweep (mosaic: lmm)':<24}{'config':<26}{'ms':>8}{'TF/s':>7}")
+    lines.append(f"{'lm sweep (mosaic: lmm)':<24}{'config':<40}{'ms':>8}{'TF/s':>7}")
     for r in ROWS:
         if r.get("section") in ("lm_sweep", "lmm_sweep") and "ms" in r:
             tag = "lmm " if r["section"] == "lmm_sweep" else ""
-            lines.append(f"{tag + str(r['shape']):<24}{str(r['config']):<26}{r['ms']:>8.2f}"
+            lines.append(f"{tag + str(r['shape']):<24}{str(r['config']):<40}{r['ms']:>8.2f}"
                          f"{r['tflop_s']:>7.0f}")  # fmt: skip
     lines.append(f"{'lm head [N, D, V]':<24}{'variant':<16}{'kind':<9}{'ms':>8}{'TF/s':>7}"
                  f"{'temp GiB':>10}")  # fmt: skip
@@ -453,7 +455,7 @@ def parse() -> argparse.Namespace:
         a.lm_shapes = [(64, 48, 300), (128, 64, 256)]  # ragged; aligned to the Mosaic tiles
         a.lm_check_tokens, a.lm_sweep_tokens = 64, 64
         a.lm_configs = [(16, 64, 16, 4, 2)]
-        a.lmm_configs = [(64, 64, 64, 2)]
+        a.lmm_configs = [(64, 64, 64, 2, 1, "lane")]
         a.lm_default = LmHeadPallasConfig(block_m=16, block_v=64, block_k=16, chunk_tokens=32)
         a.iters_small = a.iters_big = 2
     else:
@@ -470,8 +472,15 @@ def parse() -> argparse.Namespace:
         a.lm_check_tokens, a.lm_sweep_tokens = 2048, 4096
         # (block_m, block_v, block_k, num_warps, num_stages)
         a.lm_configs = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)]
-        # Mosaic GPU kernel: (tile_m, tile_n, tile_k, stages); a CTA covers 2 * tile_n vocab
-        a.lmm_configs = [(128, 128, 64, 3), (128, 128, 64, 2), (128, 64, 64, 4), (64, 128, 64, 4)]
+        # Mosaic GPU kernel: (tile_m, tile_n, tile_k, stages, CTAs per cluster, semantics); a
+        # CTA covers 2 * tile_n vocab
+        a.lmm_configs = [
+            (128, 128, 64, 3, 1, "lane"),
+            (128, 128, 64, 3, 2, "lane"),
+            (128, 128, 64, 3, 1, "warpgroup"),
+            (128, 128, 64, 3, 2, "warpgroup"),
+            (64, 128, 64, 4, 2, "lane"),
+        ]
         a.lm_default = LmHeadPallasConfig()
         a.iters_small, a.iters_big = 30, 7
     return a

@@ -1,5 +1,7 @@
 """LM-head loss: chunked XLA and fused Pallas (interpret mode on CPU) against the reference."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -228,3 +230,41 @@ def test_mosaic_lowering_fits_the_gpu_at_real_shapes(d, v, kernel):
     text = jax.jit(step).trace(h, w, t, m).lower(lowering_platforms=("cuda",)).as_text()
     calls = {"mosaic": "custom_call @mosaic_gpu", "triton": "__gpu$xla.gpu.triton"}
     assert {k: text.count(c) for k, c in calls.items()} == {k: k == kernel for k in calls}
+
+
+def test_mosaic_tile_options():
+    """Warpgroup lowering semantics gives the same tiles (interpret mode); a 2-CTA cluster,
+    which the interpreter cannot run, lowers for the GPU with its w tiles multicast; other
+    values are refused."""
+    from jaxllmq.kernels import lm_head_mgpu
+
+    seed = _seed()
+    h, w, _, _ = _inputs(128, 64, 512, jnp.bfloat16, seed)
+    lane = MosaicTiles(tile_m=64, tile_n=64, tile_k=64, stages=2, ctas=3)
+    want = lm_head_mgpu.lm_head_tiles(h, w, lane, True, True)
+    wg = dataclasses.replace(lane, semantics="warpgroup")
+    got = lm_head_mgpu.lm_head_tiles(h, w, wg, True, True)
+    ref = jax.nn.logsumexp(
+        (h.astype(jnp.float32) @ w.astype(jnp.float32)).reshape(128, 8, 64), axis=-1
+    ).T
+    assert _rel(want[0], ref) < 1e-5, seed
+    for a, b in zip(got, want, strict=True):
+        assert _rel(a, b) < 1e-6, seed
+
+    n, d, v = 8 * 2048, 2048, 128_256
+    hs, ws = jax.ShapeDtypeStruct((n, d), jnp.bfloat16), jax.ShapeDtypeStruct((d, v), jnp.bfloat16)
+    pair = MosaicTiles(cluster_m=2)
+    text = (
+        jax.jit(lambda h, w: lm_head_mgpu.lm_head_tiles(h, w, pair, True, False))
+        .trace(hs, ws)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    assert text.count("custom_call @mosaic_gpu") == 1
+    assert lm_head_mgpu.applies(256, 64, 512, jnp.bfloat16, MosaicTiles(64, 64, 64, cluster_m=2))
+    assert not lm_head_mgpu.applies(
+        192, 64, 512, jnp.bfloat16, MosaicTiles(64, 64, 64, cluster_m=2)
+    )
+    for bad in (dict(cluster_m=4), dict(semantics="thread")):
+        with pytest.raises(ValueError, match="cluster_m must be 1 or 2"):
+            dataclasses.replace(lane, **bad)

@@ -37,18 +37,32 @@ class MosaicTiles:
     # CTAs, each looping over tiles (persistent: while one tile's epilogue runs, the memory
     # warpgroup already loads the next tile's operands); 0: one per SM.
     ctas: int = 0
+    # CTAs per cluster along the tokens (1 or 2): a cluster's CTAs take neighbouring token tiles
+    # of the same vocabulary tile, whose w tiles TMA multicasts to both (half the w traffic).
+    cluster_m: int = 1
+    # Mosaic GPU's lowering semantics: "lane" (per-thread arrays) or "warpgroup". On an H200 at
+    # the 1B's shape a 2-CTA cluster or warpgroup semantics ran the kernel 2-3% faster alone,
+    # but the step no faster than the spread (docs/PERFORMANCE.md): the defaults stay.
+    semantics: str = "lane"
+
+    def __post_init__(self):
+        if self.cluster_m not in (1, 2) or self.semantics not in ("lane", "warpgroup"):
+            raise ValueError(
+                f"MosaicTiles: cluster_m must be 1 or 2 and semantics lane or warpgroup: {self}"
+            )
 
 
-def _num_ctas(tiles: MosaicTiles, n_tiles: int) -> int:
-    if tiles.ctas:
-        return min(tiles.ctas, n_tiles)
-    return min(getattr(jax.devices()[0], "core_count", 0) or 132, n_tiles)
+def _num_clusters(tiles: MosaicTiles, n_tiles: int) -> int:
+    """Persistent clusters (of tiles.cluster_m CTAs), each looping over n_tiles / clusters."""
+    ctas = tiles.ctas or getattr(jax.devices()[0], "core_count", 0) or 132
+    return min(ctas // tiles.cluster_m, n_tiles)
 
 
 def applies(n: int, d: int, v: int, dtype, tiles: MosaicTiles) -> bool:
     """Whether the kernel takes [n, d] x [d, v] in `dtype`: tile-aligned, 16-bit (wgmma would
     round fp32 operands to tf32)."""
-    aligned = n % tiles.tile_m == 0 and v % (2 * tiles.tile_n) == 0 and d % tiles.tile_k == 0
+    rows = tiles.tile_m * tiles.cluster_m
+    aligned = n % rows == 0 and v % (2 * tiles.tile_n) == 0 and d % tiles.tile_k == 0
     return aligned and jnp.dtype(dtype).itemsize == 2
 
 
@@ -79,7 +93,8 @@ def lm_head_tiles(
         raise ValueError(f"lm_head_mgpu: [{n}, {d}] x [{d}, {v}] {dtype} does not fit {tiles}")
     in_transforms = _swizzled(tk, dtype)
 
-    m_iters, n_iters = n // tm, v // (2 * tn)
+    cm = tiles.cluster_m
+    m_iters, n_iters = n // (tm * cm), v // (2 * tn)
 
     def make_pipeline(mma, epilogue):
         return plgpu.emit_pipeline_warp_specialized(
@@ -88,7 +103,12 @@ def lm_head_tiles(
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec((tm, tk), lambda k: (0, k), transforms=in_transforms),
-                plgpu.BlockSpec((tk, 2 * tn), lambda k: (k, 0), transforms=in_transforms),
+                plgpu.BlockSpec(
+                    (tk, 2 * tn),
+                    lambda k: (k, 0),
+                    transforms=in_transforms,
+                    collective_axes=("cluster",) if cm > 1 else (),
+                ),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -108,7 +128,8 @@ def lm_head_tiles(
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cta")
         def _(info: plgpu.NDLoopInfo):
             (lin,) = info.index
-            rows = pl.ds(lax.rem(lin, m_iters) * tm, tm)
+            m_idx = lax.rem(lin, m_iters) * cm + (lax.axis_index("cluster") if cm > 1 else 0)
+            rows = pl.ds(m_idx * tm, tm)
             pair = lax.div(lin, m_iters)  # vocabulary tiles 2 * pair and 2 * pair + 1
 
             def epilogue(eval_pipeline):
@@ -159,12 +180,17 @@ def lm_head_tiles(
     outs = [jax.ShapeDtypeStruct((v // tn, n), jnp.float32)]
     if with_q:
         outs.append(jax.ShapeDtypeStruct((n, v), dtype))
+    cluster = dict(cluster=(cm,), cluster_names=("cluster",)) if cm > 1 else {}
+    if tiles.semantics == "warpgroup":
+        semantics = plgpu.LoweringSemantics.Warpgroup
+        cluster["compiler_params"] = plgpu.CompilerParams(lowering_semantics=semantics)
     return plgpu.kernel(
         entry,
         out_type=tuple(outs),
-        grid=(_num_ctas(tiles, m_iters * n_iters),),
+        grid=(_num_clusters(tiles, m_iters * n_iters),),
         grid_names=("cta",),
         num_threads=3,
         thread_name="wg",
         interpret=_interpret_params() if interpret else False,
+        **cluster,
     )(h_NxD, w_DxV)
