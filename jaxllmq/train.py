@@ -317,9 +317,9 @@ def build(
         linear_dtype=spec.linear_dtype,
         gradient_dtype=spec.gradient_dtype,
         fp8_quantizer=quantizer,
-        # On one device (measured there; tensor parallelism splits q, k and v by heads, and the
-        # concatenation would cross that split).
-        fuse_qkv_grads=mesh.size == 1,
+        # Not under tensor parallelism, which splits q, k and v by heads: the concatenation
+        # would cross that split.
+        fuse_qkv_grads=mesh.shape[TENSOR] == 1,
     )
     _, abstract, axes = abstract_model(model_cfg, **model_kwargs)
     # A layer's weights are used with their tensor-parallel sharding only (gathered over fsdp).

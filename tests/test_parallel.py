@@ -47,6 +47,8 @@ def test_each_level_shards_what_it_promises(zero_level, tp, params, opt):
     if tp == 2:
         q = built.state.params["layers"]["q_proj"]
         assert q.sharding.spec[-1] == "tensor"  # heads split over the tensor axis
+    # q/k/v's input gradient is one GEMM unless tensor parallelism splits their heads.
+    assert train.nnx.merge(built.graphdef, built.state.params).fuse_qkv_grads == (tp == 1)
 
 
 def test_gradients_shard_from_zero_2():
