@@ -28,7 +28,7 @@ os.environ["XLA_FLAGS"] = " ".join(
 
 from absl import app, flags  # noqa: E402  (XLA_FLAGS must be set before jax starts)
 
-from jaxllmq import bench, config, profile  # noqa: E402
+from jaxllmq import bench, config, profile, xla_flags  # noqa: E402
 
 _KINDS = [name for name, _ in profile.CATEGORIES]
 _kinds = flags.DEFINE_list(
@@ -44,6 +44,9 @@ flags.register_validator(
 
 
 def main(argv: list[str]) -> None:
+    # The trace starts the backend, which reads XLA_FLAGS then: jaxllmq's defaults (cuBLAS, not
+    # Triton, GEMMs) must be in it already, or the profile is of another program than the bench's.
+    xla_flags.apply_defaults(deterministic=flags.FLAGS.deterministic)
     with tempfile.TemporaryDirectory() as trace:
         with profile.trace_steps(trace):
             bench.main(argv)
