@@ -228,8 +228,8 @@ class Llama(nnx.Module):
         self.linear_dtype = linear_dtype
         self.gradient_dtype = gradient_dtype
         self.fp8_quantizer = fp8_quantizer or fp8.XLA_QUANTIZER  # x and g into both fp8 layouts
-        # q/k/v's input gradient as one GEMM (shared_input_matmuls); bf16 linears only, and the
-        # caller's to ask for only without tensor parallelism.
+        # q/k/v's input gradient as one GEMM (shared_input_matmuls); not with fp8 linears, and
+        # the caller's to ask for only without tensor parallelism.
         self.fuse_qkv_grads = fuse_qkv_grads and linear_dtype is None
         fp8.linear_fn(linear_dtype, gradient_dtype)  # unknown names fail here, not in a trace
         self.scan_layers = scan_layers
