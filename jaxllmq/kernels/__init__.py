@@ -69,10 +69,11 @@ def resolve_impl(
 
     auto: XLA on CPU (Pallas there only interprets); on one GPU whichever measured faster
     (AUTO_GPU, or AUTO_HOPPER where `hopper`, default is_hopper()); on several, AUTO_MULTI_GPU.
-    A Pallas call has no SPMD partitioning rule: on several devices the LM-head loss and the fp8 quantize pass run per device inside shard_map
-    (train.build -> cross_entropy.lm_head_loss_sharded, fp8_quantize.Quantizer; the quantize pass
-    stays in XLA under tensor parallelism, train.kernel_choices); the RMSNorm call is not wrapped,
-    so XLA gathers its operands.
+    A Pallas call has no SPMD partitioning rule: on several devices the LM-head loss and the fp8
+    quantize pass run per device inside shard_map (train.build ->
+    cross_entropy.lm_head_loss_sharded, fp8_quantize.Quantizer; the quantize pass stays in XLA
+    under tensor parallelism, train.kernel_choices); the RMSNorm call is not wrapped, so XLA
+    gathers its operands.
     """
     if kernel not in KERNELS:
         raise ValueError(f"resolve_impl: unknown kernel {kernel!r} (expected one of {KERNELS})")
