@@ -180,10 +180,11 @@ def lm_head_tiles(
     outs = [jax.ShapeDtypeStruct((v // tn, n), jnp.float32)]
     if with_q:
         outs.append(jax.ShapeDtypeStruct((n, v), dtype))
-    cluster = dict(cluster=(cm,), cluster_names=("cluster",)) if cm > 1 else {}
+    # Only the options a config asks for, so the default kernel is launched as it was measured.
+    options = dict(cluster=(cm,), cluster_names=("cluster",)) if cm > 1 else {}
     if tiles.semantics == "warpgroup":
         semantics = plgpu.LoweringSemantics.Warpgroup
-        cluster["compiler_params"] = plgpu.CompilerParams(lowering_semantics=semantics)
+        options["compiler_params"] = plgpu.CompilerParams(lowering_semantics=semantics)
     return plgpu.kernel(
         entry,
         out_type=tuple(outs),
@@ -192,5 +193,5 @@ def lm_head_tiles(
         num_threads=3,
         thread_name="wg",
         interpret=_interpret_params() if interpret else False,
-        **cluster,
+        **options,
     )(h_NxD, w_DxV)
