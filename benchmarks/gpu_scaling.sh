@@ -3,8 +3,8 @@
 # 1 GPU, on 2 GPUs in one process at ZeRO-1/2/3 (the 2-GPU ZeRO-1 run also profiled: NCCL time),
 # and on 2 processes x 1 GPU (fp32: ZeRO-1 and 3; bf16: ZeRO-1, 2 and 3); fp32 master weights,
 # then pure bf16 weights and moments. One JSON line per run in $OUT/scaling.jsonl; a table at the
-# end. Efficiency is against one GPU with the same weights and kernels (XLA's, as auto picks on
-# several GPUs: see kernels/), the mean of a run on each GPU alone.
+# end. Efficiency is against one GPU with the same weights and kernels (as auto picks on several
+# GPUs: the RMSNorm in XLA, see kernels/), the mean of a run on each GPU alone.
 # NCCL settings pass through the environment, e.g. `NCCL_PROTO=Simple bash benchmarks/gpu_scaling.sh`
 # (the 04:47 UTC profile showed the per-layer all-reduces running NCCL's ring LL protocol).
 # Usage: bash benchmarks/gpu_scaling.sh [fp32] [bf16] [tune] [fp8]   (default: fp32 bf16)
@@ -13,7 +13,7 @@
 #         the table then shows the NCCL time no other kernel overlapped); COLLECTIVES=1 first
 #         measures the links' bus bandwidth alone (benchmarks/collectives.py)
 #   fp8:  e4m3 (bf16 weights and moments) on 1 GPU, then on 2 at ZeRO-1 and 3 with the fp8
-#         quantize pass in XLA (auto) and as the per-device Pallas kernel (shard_map)
+#         quantize pass in XLA and as the per-device Pallas kernel (shard_map, auto)
 source benchmarks/gpu_env.sh
 SECTIONS="${*:-fp32 bf16}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -39,16 +39,16 @@ two_procs() {  # ZeRO level, extra flags...
 }
 
 if want fp32; then
-  base --kernels=xla
+  base --kernels=rms_norm=xla
   bench --gpus=2 --zero_level=1 --profile_steps=2
   grep -A14 "device kernel time" "$OUT/err.txt"
   for z in 2 3; do bench --gpus=2 --zero_level=$z; done
-  bench --gpus=2 --zero_level=3 --kernels=lm_head_loss=pallas  # the fused loss per device (shard_map)
+  bench --gpus=2 --zero_level=3 --kernels=lm_head_loss=xla  # XLA's loss, as auto picked before 2026-12-01
   for z in 1 3; do two_procs $z; done
 fi
 if want bf16; then
   BF16=(--model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16)
-  base --kernels=xla "${BF16[@]}"
+  base --kernels=rms_norm=xla "${BF16[@]}"
   bench --gpus=2 --zero_level=1 --profile_steps=2 "${BF16[@]}"
   grep -A14 "device kernel time" "$OUT/err.txt"
   for z in 2 3; do bench --gpus=2 --zero_level=$z "${BF16[@]}"; done
@@ -58,7 +58,7 @@ TUNE=${TUNE:-"A=1;NCCL_MAX_NCHANNELS=4;NCCL_MAX_NCHANNELS=8"}
 if want tune; then
   [[ -n ${COLLECTIVES:-} ]] && python3 benchmarks/collectives.py 2>&1 | tail -13
   BF16=(--model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16)
-  base --kernels=xla "${BF16[@]}"
+  base --kernels=rms_norm=xla "${BF16[@]}"
   IFS=";" read -r -a settings <<< "$TUNE"
   for setting in "${settings[@]}"; do
     for z in 1 2; do SETTING=$setting VARIANT=$setting bench --gpus=2 --zero_level=$z "${BF16[@]}" ${TUNE_FLAGS:-}; done
@@ -66,10 +66,10 @@ if want tune; then
 fi
 if want fp8; then
   FP8=(--model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16 --matmul_dtype=e4m3)
-  base --kernels=xla "${FP8[@]}"  # the base, as above: XLA's kernels
-  VARIANT="quantize pallas" bench --gpus=1 --kernels=rms_norm=xla,lm_head_loss=xla,fp8_quantize=pallas "${FP8[@]}"
+  base --kernels=rms_norm=xla,fp8_quantize=xla "${FP8[@]}"  # the base: XLA's quantize pass
+  VARIANT="quantize pallas" bench --gpus=1 --kernels=rms_norm=xla,fp8_quantize=pallas "${FP8[@]}"
   for z in 1 3; do
-    VARIANT="quantize xla" bench --gpus=2 --zero_level=$z "${FP8[@]}"
+    VARIANT="quantize xla" bench --gpus=2 --zero_level=$z --kernels=fp8_quantize=xla "${FP8[@]}"
     VARIANT="quantize pallas" bench --gpus=2 --zero_level=$z --kernels=fp8_quantize=pallas "${FP8[@]}"
   done
 fi

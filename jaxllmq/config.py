@@ -109,9 +109,9 @@ _kernels = flags.DEFINE_string(
     "auto",
     "Fused Pallas kernels (rms_norm, lm_head_loss, fp8_quantize) or XLA: auto|pallas|xla for "
     "all, or per kernel, e.g. rms_norm=pallas,lm_head_loss=xla; auto = what measured faster on "
-    "one GPU, or on several (there: the fp8 quantize pass in Pallas, the rest XLA). "
+    "one GPU, or on several (there the RMSNorm in XLA; all XLA under tensor parallelism). "
     "lm_head_loss=mosaic: its kernel in Mosaic GPU (bf16, tile-aligned shapes), auto's choice on "
-    "one Hopper GPU.",
+    "Hopper GPUs.",
 )
 _lmhead_chunks = flags.DEFINE_integer(
     "lmhead_chunks",

@@ -247,7 +247,10 @@ class Compiled:
 def kernel_choices(kernels: str, mesh: jax.sharding.Mesh) -> dict[str, str]:
     """What each fused kernel runs as in the step on `mesh`: --kernels resolved ("pallas"/"xla",
     the LM-head loss also "mosaic")."""
-    impls = {k: resolve_impl(kernels, k, num_devices=mesh.size) for k in KERNELS}
+    impls = {
+        k: resolve_impl(kernels, k, num_devices=mesh.size, tensor_parallel=mesh.shape[TENSOR])
+        for k in KERNELS
+    }
     # The fp8 quantize pass runs per device's tokens (shard_map); tensor parallelism splits the
     # columns too, so there it stays in XLA.
     if mesh.shape[TENSOR] > 1:

@@ -175,9 +175,12 @@ def test_resolve_impl():
     for kernel in ("rms_norm", "lm_head_loss", "fp8_quantize"):
         # measured faster
         assert resolve_impl("auto", kernel, platform="gpu", hopper=False) == "pallas"
-        # On several GPUs only the fp8 quantize pass measured faster as Pallas (per device).
-        expect = "pallas" if kernel == "fp8_quantize" else "xla"
-        assert resolve_impl("auto", kernel, platform="gpu", num_devices=8) == expect
+        # On several GPUs the RMSNorm stays XLA (its call is not per device); the others run
+        # per device as on one GPU, but not under tensor parallelism.
+        expect = "xla" if kernel == "rms_norm" else "pallas"
+        assert resolve_impl("auto", kernel, platform="gpu", num_devices=8, hopper=False) == expect
+        tp = resolve_impl("auto", kernel, platform="gpu", num_devices=8, tensor_parallel=2)
+        assert tp == "xla"
     with pytest.raises(ValueError, match="auto, pallas or xla"):
         resolve_impl("triton", "rms_norm")
     # Per kernel: the one named is as asked, the other auto.
@@ -191,7 +194,10 @@ def test_resolve_impl():
     assert resolve_impl("lm_head_loss=mosaic", "lm_head_loss", platform="gpu") == "mosaic"
     assert resolve_impl("auto", "lm_head_loss", platform="gpu", hopper=True) == "mosaic"
     assert resolve_impl("auto", "rms_norm", platform="gpu", hopper=True) == "pallas"
-    assert resolve_impl("auto", "lm_head_loss", platform="gpu", num_devices=2, hopper=True) == "xla"
+    assert resolve_impl("auto", "lm_head_loss", platform="gpu", num_devices=2, hopper=True) == (
+        "mosaic"
+    )
+    assert resolve_impl("lm_head_loss=pallas", "lm_head_loss", tensor_parallel=2) == "pallas"
     with pytest.raises(ValueError, match="lm_head_loss also mosaic"):
         resolve_impl("rms_norm=mosaic", "rms_norm")
     with pytest.raises(ValueError, match="auto, pallas or xla"):

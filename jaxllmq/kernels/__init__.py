@@ -21,9 +21,16 @@ AUTO_GPU = {"rms_norm": "pallas", "lm_head_loss": "pallas", "fp8_quantize": "pal
 # its shapes apply (the Triton kernel elsewhere): forward 14.2 against 15.4 ms at 16384 x 2048 x
 # 128256, the 1B step +0.4% on each of two H200s (2026-11-30 23:00 UTC).
 AUTO_HOPPER = {**AUTO_GPU, "lm_head_loss": "mosaic"}
-# On several GPUs: the fp8 quantize pass per device (shard_map), measured on two H200s at ZeRO-1
-# (1B e4m3, 2026-11-30): 158k tokens/s against 145k with XLA's. The others stay XLA (not measured).
-AUTO_MULTI_GPU = {"rms_norm": "xla", "lm_head_loss": "xla", "fp8_quantize": "pallas"}
+# On several GPUs the LM-head loss and the fp8 quantize pass run per device under shard_map, as
+# on one GPU; measured on two H200s: the fused LM-head loss against XLA's (1B bf16, 2026-12-01)
+# +0.5/+0.7/+1.2% tokens/s at ZeRO-1/2/3 and 6.2-6.7 GiB less per GPU; the quantize pass at
+# ZeRO-1 (1B e4m3, 2026-11-30) 158k tokens/s against 145k. The RMSNorm stays XLA: its Pallas
+# call is not wrapped in shard_map, so XLA would gather its operands onto every device.
+AUTO_MULTI_GPU = {"rms_norm": "xla"}
+# Under tensor parallelism the head's vocab and the linears' columns are split: the per-device
+# loss would gather the head and repeat each token's loss on every tensor rank, and the quantize
+# pass's scales would span the split columns (train.kernel_choices keeps it in XLA even if asked).
+AUTO_TENSOR_PARALLEL = dict.fromkeys(KERNELS, "xla")
 
 
 def parse_kernels(kernels: str) -> dict[str, str]:
@@ -62,13 +69,15 @@ def resolve_impl(
     *,
     platform: str | None = None,
     num_devices: int = 1,
+    tensor_parallel: int = 1,
     hopper: bool | None = None,
 ) -> str:
     """Implementation ("pallas", "xla", or for the LM-head loss "mosaic") of `kernel` for the
     `--kernels` setting.
 
     auto: XLA on CPU (Pallas there only interprets); on one GPU whichever measured faster
-    (AUTO_GPU, or AUTO_HOPPER where `hopper`, default is_hopper()); on several, AUTO_MULTI_GPU.
+    (AUTO_GPU, or AUTO_HOPPER where `hopper`, default is_hopper()); on several, the same but
+    for AUTO_MULTI_GPU's entries, and AUTO_TENSOR_PARALLEL's where `tensor_parallel` > 1.
     A Pallas call has no SPMD partitioning rule: on several devices the LM-head loss and the fp8
     quantize pass run per device inside shard_map (train.build ->
     cross_entropy.lm_head_loss_sharded, fp8_quantize.Quantizer; the quantize pass stays in XLA
@@ -83,6 +92,9 @@ def resolve_impl(
     platform = platform or jax.default_backend()
     if platform not in ("gpu", "cuda"):
         return "xla"
+    one_gpu = AUTO_HOPPER if (is_hopper() if hopper is None else hopper) else AUTO_GPU
+    if tensor_parallel > 1:
+        return {**one_gpu, **AUTO_TENSOR_PARALLEL}[kernel]
     if num_devices > 1:
-        return AUTO_MULTI_GPU[kernel]
-    return (AUTO_HOPPER if (is_hopper() if hopper is None else hopper) else AUTO_GPU)[kernel]
+        return {**one_gpu, **AUTO_MULTI_GPU}[kernel]
+    return one_gpu[kernel]
