@@ -14,10 +14,10 @@ half the square; backward 2.5x the forward), and its largest difference from the
 """
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
+from kernels import timed  # benchmarks/kernels.py, beside this script
 
 SHAPES = {  # name: (B, T, N, K, H), 16384 tokens each
     "1b": (8, 2048, 32, 8, 64),
@@ -82,17 +82,6 @@ def forward_backward(attn):
     return f
 
 
-def median_ms(f, args, reps: int) -> float:
-    for _ in range(2):
-        jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t)
-    return 1e3 * sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
@@ -134,7 +123,7 @@ def main() -> None:
             else:
                 ref = out if ref is None else ref
                 err = max(diff(a, b) for a, b in zip(out, ref, strict=True))
-            ms = median_ms(f, operands, args.reps)
+            ms = 1e3 * timed(f, operands, iters=args.reps, batch=1)[0]
             flop = fwd_flop * (1 if fwd_only else 3.5)
             rows.append((name, label, ms, flop / ms / 1e9, f"max diff {err:.3g}"))
             print(f"{name} {label}: {ms:.3f} ms", flush=True)
