@@ -1,4 +1,4 @@
-"""Checkpoints: orbax's CheckpointManager over --checkpoint_dir, resuming (--continue), preemption.
+"""Checkpoints: orbax's CheckpointManager over --checkpoint_dir, saving and resuming (--continue).
 
 A checkpoint is the directory `<checkpoint_dir>/<step>/`, one orbax Composite of items:
 
@@ -8,36 +8,45 @@ A checkpoint is the directory `<checkpoint_dir>/<step>/`, one orbax Composite of
     log/          the outlier detector's history     (JSON)
     run/          the run's argv and TrainConfig     (JSON)
     model/        the model's HF config.json dict    (JSON)
-    files.json    every file above with its size
+    files.json    every file above with its size and CRC-32 (checkpoint_files.py)
 
 The train step draws no random numbers (no dropout), so the data order's seed is the run's only
 RNG state. Orbax writes a checkpoint into `<step>.orbax-checkpoint-tmp` and renames it to `<step>`
 once every item is complete, so a directory named by a step is whole: a run killed mid-save leaves
 only the tmp directory, which the next run's manager deletes. `files.json` is written into that
 tmp directory just before the rename (orbax's post-finalization callback), so it is part of the
-atomic checkpoint; on resume it names any file that has since gone missing or been truncated.
+atomic checkpoint; on resume, before anything of the checkpoint is read, it names any file that
+has since gone missing, been truncated or changed.
 
 Saves are asynchronous: `save` returns once the arrays are copied to host memory, and orbax
 writes them from a background thread while training goes on. Retention is orbax's preservation
-policy: the newest `--ckpt_keep_n`, plus every step that is a multiple of `--ckpt_major`.
+policy: the newest `--ckpt_keep_n`, plus every step that is a multiple of `--ckpt_major`, applied
+only once a save is complete. A save that fails (a full disk) is found at the next step: its
+temporary directory is removed and the run stops with one line (`--ckpt_failure=continue`: a
+warning, and the next save is tried).
 
-Orbax API used (present and identical in orbax-checkpoint 0.12.4 and 0.12.8): CheckpointManager
-(`item_handlers=`, save(force=), wait_until_finished, reload, close), CheckpointManagerOptions
-(`preservation_policy`, `async_options=AsyncOptions(post_finalization_callback=)`,
+Here: `Checkpointing`, one run's checkpoints (finding, restoring, saving, retention). One
+checkpoint directory (its file list, verification, reading its items, finding checkpoints, and
+the filters of orbax's log noise) is checkpoint_files.py; which changed flags a resume refuses is
+resume_rules.py; stopping with a checkpoint on SIGTERM / SIGINT is preemption.py.
+
+Orbax API used here and in checkpoint_files.py (present and identical in orbax-checkpoint 0.12.4
+and 0.12.8): CheckpointManager (`item_handlers=`, save(force=), wait_until_finished,
+is_saving_in_progress, reload, close), CheckpointManagerOptions (`preservation_policy`, `async_options=AsyncOptions(post_finalization_callback=)`,
 `cleanup_tmp_directories`), `checkpoint_managers.{AnyPreservationPolicy, LatestN, EveryNSteps}`,
 Checkpointer + CompositeCheckpointHandler for reading, `args.{Composite, StandardSave,
-StandardRestore, JsonSave, JsonRestore}`, and `path.step.checkpoint_steps`.
+StandardRestore, JsonSave, JsonRestore}`, and `path.step.checkpoint_steps`. After a failed save
+only, where present: the manager's `_checkpointer._async_manager._commit_futures`.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
+import contextlib
 import json
-import logging
 import os
-import signal
-import threading
+import re
+import shutil
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -47,338 +56,40 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
+from jaxllmq.checkpoint_files import (
+    CheckpointError,
+    DamagedCheckpointError,
+    Saved,
+    _first_line,
+    _handlers,
+    _same,
+    _split,
+    _steps_text,
+    abstract_like,
+    checkpoint_steps,
+    read_json_items,
+    resolve,
+    restore_arrays,
+    verify,
+    write_file_list,
+)
+from jaxllmq.resume_rules import check_resume
+
 if TYPE_CHECKING:  # config.py defines the trainer's flags; the export CLI has its own
     from jaxllmq.config import CheckpointConfig
 
-FILE_LIST = "files.json"
-ARRAY_ITEMS = ("params", "train_state")
-JSON_ITEMS = ("data", "log", "run", "model")
 
+class CheckpointSaveError(CheckpointError):
+    """A checkpoint could not be written (a full disk, an I/O error): the run stops (one line)."""
 
-class _QuietOrbax(logging.Filter):
-    """Drop orbax's INFO chatter (a dozen lines per save) from absl's log; keep its warnings."""
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
-
-
-logging.getLogger("absl").addFilter(_QuietOrbax())
-
-# Written or rewritten by orbax after the post-finalization callback: not in the file list.
-_LATE_FILES = ("_CHECKPOINT_METADATA", "commit_success.txt")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint this run cannot use: missing, or saved with another meaning (one line)."""
-
-
-class DamagedCheckpointError(CheckpointError):
-    """A checkpoint whose files are missing, truncated or unreadable."""
-
-    def __init__(self, path: str, what: str):
-        super().__init__(f"checkpoint {path} is damaged: {what}")
-        self.path = path
-
-
-def _handlers() -> dict[str, ocp.CheckpointHandler]:
-    handlers: dict[str, ocp.CheckpointHandler] = {
-        name: ocp.StandardCheckpointHandler() for name in ARRAY_ITEMS
-    }
-    handlers.update({name: ocp.JsonCheckpointHandler() for name in JSON_ITEMS})
-    return handlers
-
-
-def _reader() -> ocp.Checkpointer:
-    """Reads one checkpoint directory (a manager would also list, delete and write)."""
-    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(**_handlers()))
-
-
-def checkpoint_steps(root: str) -> list[int]:
-    """Steps of the complete (renamed, finalized) checkpoints under `root`, ascending."""
-    return sorted(ocp.path.step.checkpoint_steps(root)) if os.path.isdir(root) else []
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:400]
-
-
-# ---- the file list: naming damage ----
-
-
-def write_file_list(directory: str) -> None:
-    """Record every file under `directory` with its size in `directory/files.json`."""
-    files = {}
-    for parent, _, names in os.walk(directory):
-        for name in names:
-            rel = os.path.relpath(os.path.join(parent, name), directory)
-            if rel not in _LATE_FILES and not rel.startswith(FILE_LIST):
-                files[rel] = os.path.getsize(os.path.join(parent, name))
-    tmp = os.path.join(directory, FILE_LIST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"files": dict(sorted(files.items()))}, f, indent=0)
-    os.replace(tmp, os.path.join(directory, FILE_LIST))
-
-
-def verify(path: str) -> list[str]:
-    """What is wrong with checkpoint directory `path`, file by file (empty: nothing found).
-
-    Every file that `files.json` lists must be there, as long as when it was written. Without
-    the list (a checkpoint from elsewhere) nothing is checked here; reading it will tell.
-    """
-    listing = os.path.join(path, FILE_LIST)
-    if not os.path.exists(listing):
-        return []
-    try:
-        with open(listing) as f:
-            files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError):
-        return [f"{FILE_LIST} is unreadable"]
-    problems = []
-    for rel, size in files.items():
-        file = os.path.join(path, rel)
-        if not os.path.isfile(file):
-            problems.append(f"{rel} is missing")
-        elif (now := os.path.getsize(file)) != size:
-            problems.append(f"{rel} is {now} bytes, {size} were written (truncated)")
-    return problems
-
-
-# ---- reading one checkpoint ----
-
-
-@dataclasses.dataclass
-class Saved:
-    """The JSON part of one checkpoint, and where it is."""
-
-    path: str
-    data: dict
-    log: dict
-    run: dict
-    model: dict
-
-    @property
-    def step(self) -> int:
-        return int(os.path.basename(self.path))
-
-
-def read_json_items(path: str) -> Saved:
-    """The JSON items of checkpoint `path`, after checking its files against the list."""
-    problems = verify(path)
-    if problems:
-        raise DamagedCheckpointError(path, "; ".join(problems))
-    args = ocp.args.Composite(**{name: ocp.args.JsonRestore() for name in JSON_ITEMS})
-    try:
-        with _reader() as reader:
-            items = reader.restore(path, args=args)
-    except Exception as e:  # orbax raises whatever its storage layer raises
-        raise DamagedCheckpointError(path, _first_line(e)) from e
-    return Saved(path, **{name: items[name] for name in JSON_ITEMS})
-
-
-def _split(state: Any) -> tuple[Any, dict]:
-    """(params, the other fields) of a TrainState-like dataclass pytree.
-
-    An empty field (TrainState.fp8 without delayed fp8 scaling) is left out, so such a state
-    saves what checkpoints from before the field did, and restores from them."""
-    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
-    rest = {
-        k: v for k, v in fields.items() if k != "params" and not (isinstance(v, dict) and not v)
-    }
-    return state.params, rest
-
-
-def abstract_like(tree: Any) -> Any:
-    """ShapeDtypeStructs with the arrays' shardings: a restore target (orbax reshards to it)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
-def _leaves(tree: Any) -> dict[str, tuple[tuple, str]]:
-    tree = getattr(tree, "tree", tree)  # orbax's TreeMetadata wraps the tree
-    out = {}
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        name = "/".join(
-            str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path
-        )
-        out[name] = (tuple(x.shape), str(x.dtype))
-    return out
-
-
-def _check_fits(path: str, saved: dict, target: dict) -> None:
-    """Refuse a checkpoint whose arrays (names, shapes, dtypes) are not this run's state's."""
-    have, want = {}, {}
-    for item in target:
-        have.update({f"{item}/{k}": v for k, v in _leaves(saved[item]).items()})
-        want.update({f"{item}/{k}": v for k, v in _leaves(target[item]).items()})
-    diffs = [f"{k} is not in it" for k in want if k not in have]
-    diffs += [f"it has {k}, this run does not" for k in have if k not in want]
-    diffs += [
-        f"{k} is {have[k][1]}{list(have[k][0])} there, {want[k][1]}{list(want[k][0])} here"
-        for k in want
-        if k in have and have[k] != want[k]
-    ]
-    if diffs:
-        more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
-        hint = ""
-        if any("train_state/fp8/" in d for d in diffs):
-            hint = " (train_state/fp8: the amax histories of --fp8_scaling=delayed"
-            hint += ", --fp8_amax_history steps long)"
-        raise CheckpointError(
-            f"--continue: checkpoint {path} does not fit this run's state: "
-            f"{'; '.join(diffs[:3])}{more}; resume with the flags it was saved with{hint}"
-        )
-
-
-def restore_arrays(path: str, target: Any) -> Any:
-    """The TrainState of checkpoint `path`, laid out as `target` (arrays or ShapeDtypeStructs).
-
-    Orbax reads each array straight into the target's sharding, so a checkpoint saved on 8
-    devices restores onto 4 or 1, or under another ZeRO level.
-    """
-    params, rest = _split(target)
-    want = {"params": abstract_like(params), "train_state": abstract_like(rest)}
-    try:
-        with _reader() as reader:
-            saved = reader.metadata(path).item_metadata
-            _check_fits(path, {k: saved[k] for k in want}, want)
-            items = reader.restore(
-                path,
-                args=ocp.args.Composite(
-                    **{k: ocp.args.StandardRestore(v) for k, v in want.items()}
-                ),
-            )
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise DamagedCheckpointError(path, _first_line(e)) from e
-    return target.replace(params=items["params"], **items["train_state"])
-
-
-def restore_params(path: str, target: Any) -> Any:
-    """Only the parameters of checkpoint `path`, laid out as `target` (for export)."""
-    try:
-        with _reader() as reader:
-            saved = reader.metadata(path).item_metadata
-            _check_fits(path, {"params": saved["params"]}, {"params": target})
-            args = ocp.args.Composite(params=ocp.args.StandardRestore(abstract_like(target)))
-            return reader.restore(path, args=args)["params"]
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise DamagedCheckpointError(path, _first_line(e)) from e
-
-
-def resolve(spec: str, checkpoint_dir: str | None) -> tuple[str, list[int], bool]:
-    """(root, steps to try in order, may fall back) for --continue=spec.
-
-    `latest` is the newest complete checkpoint in `checkpoint_dir`, falling back to older ones
-    past damage (none yet: no steps); a number is that step there; anything else is a path.
-    """
-    if spec != "latest" and not spec.isdigit():
-        return resolve_path(spec)
-    if not checkpoint_dir:
-        raise CheckpointError(f"--continue={spec} needs --checkpoint_dir")
-    steps = checkpoint_steps(checkpoint_dir)
-    if spec == "latest":
-        return checkpoint_dir, steps[::-1], True
-    if int(spec) not in steps:
-        raise CheckpointError(
-            f"--continue={spec}: no complete checkpoint {os.path.join(checkpoint_dir, spec)} "
-            f"(there are: {_steps_text(steps)})"
-        )
-    return checkpoint_dir, [int(spec)], False
-
-
-def resolve_path(spec: str) -> tuple[str, list[int], bool]:
-    """A checkpoint (`<root>/<step>`: just it) or a directory of them (newest first, with
-    fallback), as (root, steps to try in order, may fall back)."""
-    path = os.path.normpath(spec)
-    parent, name = os.path.split(path)
-    if name.isdigit() and int(name) in checkpoint_steps(parent):
-        return parent, [int(name)], False
-    steps = checkpoint_steps(path)
-    if not steps:
-        raise CheckpointError(
-            f"{spec}: neither a complete checkpoint (<dir>/<step>) nor a directory holding one"
-        )
-    return path, steps[::-1], True
-
-
-def _same(a: str, b: str) -> bool:
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
-def _steps_text(steps: list[int]) -> str:
-    if not steps:
-        return "none"
-    return ", ".join(map(str, steps[-8:])) + (" ..." if len(steps) > 8 else "")
-
-
-# ---- what a changed flag means for a resume ----
-
-# Saved values that give the state its meaning: a resume that changes them is refused.
-MEANING = {
-    ("model", "model_dtype"): "--model_dtype",
-    ("optim", "opt_m_dtype"): "--opt_m_dtype",
-    ("optim", "opt_v_dtype"): "--opt_v_dtype",
-    ("model", "fp8_scaling"): "--fp8_scaling",
-}
-# On/off switches that add or remove a part of the optimizer state.
-STRUCTURE = {("optim", "grad_clip"): "--grad_clip", ("optim", "weight_decay"): "--weight_decay"}
-# How this process was asked to resume, and where its peers meet: not a change of the run.
-_IGNORED = {("ckpt", "continue_from"), ("ckpt", "new_data"), ("mesh", "coordinator_address")}
-_FLAG_NAMES = {"train_files": "train_file", "eval_files": "eval_file"}
-
-
-def _flatten(d: dict, prefix: tuple = ()) -> dict[tuple, Any]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, (*prefix, k)))
-        else:
-            out[(*prefix, k)] = v
-    return out
-
-
-def check_resume(saved: Saved, config: dict, model: dict) -> list[str]:
-    """Compare a checkpoint's run with this one's (TrainConfig as a dict, the HF model dict).
-
-    Raises CheckpointError on a change of meaning: another model, parameter or moment dtypes,
-    an optimizer part switched on or off. Returns the harmless changes (lr, steps, eval
-    cadence, data, devices, ...) as "--flag: old -> new" for the log.
-    """
-    where = f"--continue: checkpoint {saved.path}"
-    if saved.model != model:
-        keys = sorted(
-            k for k in saved.model.keys() | model.keys() if saved.model.get(k) != model.get(k)
-        )
-        diff = ", ".join(f"{k} {saved.model.get(k)!r} -> {model.get(k)!r}" for k in keys[:4])
-        raise CheckpointError(
-            f"{where} holds another model ({diff}); resume with the --model it was saved with, "
-            "or start a new run from an export of it (python -m jaxllmq.export)"
-        )
-    old = _flatten(saved.run.get("config", {}))
-    new = _flatten(json.loads(json.dumps(config)))
-    for key, flag in MEANING.items():
-        if key in old and old[key] != new.get(key):
-            raise CheckpointError(
-                f"{where} was saved with {flag}={old[key]}, this run has {flag}={new.get(key)}, "
-                "which changes what the saved state means; resume with the saved value, or start "
-                "a new run from an export of it (python -m jaxllmq.export)"
-            )
-    for key, flag in STRUCTURE.items():
-        if key in old and (old[key] > 0) != (new.get(key, 0) > 0):
-            on = old[key] > 0
-            raise CheckpointError(
-                f"{where} was saved with {flag}={old[key]}, this run has {flag}={new.get(key)}: "
-                f"switching it {'off' if on else 'on'} changes the optimizer state's structure; "
-                f"resume with {flag} {'> 0' if on else '= 0'}"
-            )
-    return [
-        f"--{_FLAG_NAMES.get(key[-1], key[-1])}: {old.get(key)!r} -> {new.get(key)!r}"
-        for key in sorted(old.keys() | new.keys(), key=str)
-        if key not in _IGNORED and old.get(key) != new.get(key)
-    ]
+def _os_error(e: BaseException) -> str:
+    """The OS error under a failed write, as "[Errno 28] No space left on device": Python's
+    own, or tensorstore's (a ValueError ending in "[os_error_code='28']"); else the first line."""
+    code = e.errno if isinstance(e, OSError) else None
+    if code is None and (found := re.search(r"os_error_code='(\d+)'", str(e))):
+        code = int(found[1])
+    return f"[Errno {code}] {os.strerror(code)}" if code else _first_line(e)
 
 
 # ---- one run's checkpoints ----
@@ -410,6 +121,7 @@ class Checkpointing:
         self._damaged: list[str] = []
         self._mgr: ocp.CheckpointManager | None = None
         self._in_flight: collections.deque[int] = collections.deque()
+        self._unchecked: int | None = None  # a started save whose outcome is not yet checked
         if cfg.continue_from:
             self._root, self._candidates, self._fallback = resolve(cfg.continue_from, self.dir)
             if not self._candidates:
@@ -550,15 +262,93 @@ class Checkpointing:
             model=ocp.args.JsonSave(self.model),
         )
         t0 = time.perf_counter()
+        # Orbax would wait for the previous save too; a failure is that save's, not this one's.
+        if line := self._finish(step):
+            self._on_failure(line)
         self._in_flight.append(step)
         try:
             # force: our cadence decides when to save, not orbax's save-decision policy.
             self._mgr.save(step, args=items, force=True)
-        except BaseException:
-            self._in_flight.pop()
-            raise
-        self.last_saved = step
+        except Exception as e:
+            self._on_failure(self._failed(step, step, e))
+        else:
+            self.last_saved = self._unchecked = step
         return time.perf_counter() - t0
+
+    def check_saves(self, step: int) -> None:
+        """Between steps (cheap: a flag): once the save in flight has ended, check its outcome.
+        A failed save stops the run, or with --ckpt_failure=continue warns (`_on_failure`)."""
+        if self._unchecked is not None and not self._mgr.is_saving_in_progress():
+            if line := self._finish(step):
+                self._on_failure(line)
+
+    def _finish(self, step: int | None) -> str | None:
+        """Wait for the save in flight, if any; None if it is complete, else `_failed`'s line."""
+        if self._unchecked is None:
+            return None
+        saved, self._unchecked = self._unchecked, None
+        try:
+            self._mgr.wait_until_finished()
+        except Exception as e:
+            return self._failed(saved, step, e)
+        return None
+
+    def _failed(self, saved: int, step: int | None, e: Exception) -> str:
+        """Clean up after the failed save of checkpoint `saved` (found at `step`); says what
+        happened in one line. Orbax deletes old checkpoints (retention) only once a save is
+        complete, so the previous ones are untouched; this removes the save's temporary
+        directory (a full disk stays full otherwise) and re-reads the steps on disk."""
+        self._in_flight.clear()
+        if self.last_saved == saved:
+            self.last_saved = None
+        # Orbax stops waiting at the first write that fails: let the others end before the
+        # removal (orbax 0.12's internals; without them the next run's manager removes it).
+        writes = getattr(getattr(self._mgr, "_checkpointer", None), "_async_manager", None)
+        for write in getattr(writes, "_commit_futures", None) or []:
+            with contextlib.suppress(Exception):
+                write.result(timeout=300)
+        if jax.process_index() == 0:
+            for name in os.listdir(self.dir):
+                if name.startswith(f"{saved}.") and "tmp" in name:
+                    shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+        self._mgr.reload()
+        steps = checkpoint_steps(self.dir)
+        newest = self.path(steps[-1]) if steps else "none"
+        return (
+            f"{f'step {step}: ' if step is not None else ''}checkpoint {self.path(saved)} could "
+            f"not be saved ({_os_error(e)}); its temporary directory is removed, the newest "
+            f"complete checkpoint is {newest}"
+        )
+
+    def _on_failure(self, line: str) -> None:
+        if self.cfg.ckpt_failure == "continue":
+            self.info(f"warning: {line}; training goes on (--ckpt_failure=continue)")
+            return
+        raise CheckpointSaveError(
+            f"{line}; stopping, as a run that cannot checkpoint would lose more at its next "
+            "failure: fix the cause and resume with --continue=latest, or train on with "
+            "--ckpt_failure=continue"
+        )
+
+    def resume_advice(self) -> str:
+        """One sentence for a run stopping on its own (diverged): the newest complete checkpoint
+        in --checkpoint_dir whose files verify, once the save in flight is complete, and the
+        flag that resumes it."""
+        if self._mgr is None:
+            return "This run saves no checkpoints (no --checkpoint_dir)."
+        if line := self._finish(None):
+            self.info(f"warning: {line}")
+        damaged = []
+        for step in reversed(checkpoint_steps(self.dir)):
+            if verify(self.path(step)):
+                damaged.append(str(step))
+                continue
+            aside = f" (move the damaged newer ones aside first: {', '.join(damaged)})"
+            return (
+                f"The newest checkpoint that verifies is {self.path(step)}: resume with "
+                f"--continue={step}{aside if damaged else ''}."
+            )
+        return f"No checkpoint in {self.dir} verifies: there is none to resume from."
 
     def path(self, step: int) -> str:
         """Where this run's checkpoint `step` is (or will be)."""
@@ -577,9 +367,10 @@ class Checkpointing:
         return self._mgr is not None and self._mgr.is_saving_in_progress()
 
     def wait(self) -> None:
-        """Block until every started save is complete on disk."""
+        """Block until every started save is complete on disk (or failed: `check_saves`)."""
         if self._mgr is not None:
-            self._mgr.wait_until_finished()
+            if line := self._finish(None):
+                self._on_failure(line)
 
     @property
     def saving(self) -> bool:
@@ -587,57 +378,12 @@ class Checkpointing:
         return self._mgr is not None
 
     def close(self) -> None:
-        """Wait until every started save is complete on disk; release the manager."""
+        """Wait until every started save is complete on disk (or failed: `check_saves`); release
+        the manager."""
         if self._mgr is not None:
-            self._mgr.wait_until_finished()
-            self._mgr.close()
-            self._mgr = None
-
-
-# ---- preemption ----
-
-
-class Preemption:
-    """SIGTERM / SIGINT: the host loop finishes the current step, checkpoints and exits.
-
-    One process: our own handler notes the signal (a second one stops at once). Several
-    processes (jax.distributed initialized): jax's preemption sync point, where every process
-    agrees on the step to stop at; it needs `reached(step)` called at every step.
-    """
-
-    def __init__(self) -> None:
-        self.signal: str | None = None
-        self._old: dict[int, Any] = {}
-        self._multi = False
-
-    def install(self) -> None:
-        """Start listening (the trainer calls this when it can checkpoint)."""
-        if jax.process_count() > 1:
-            self._multi = True  # jax's preemption notifier owns SIGTERM
-            return
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set from the main thread
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._old[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signal is not None:  # asked twice: stop now, the default way
-            self.uninstall()
-            signal.raise_signal(signum)
-            return
-        self.signal = signal.Signals(signum).name
-
-    def reached(self, step: int) -> bool:
-        """Whether to stop after `step` (all processes agree on it)."""
-        if self._multi:
-            if multihost_utils.reached_preemption_sync_point(step):
-                self.signal = self.signal or "a preemption notice"
-                return True
-            return False
-        return self.signal is not None
-
-    def uninstall(self) -> None:
-        """Give SIGTERM and SIGINT back to the handlers they had."""
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-        self._old = {}
+            try:
+                if line := self._finish(None):
+                    self._on_failure(line)
+            finally:
+                self._mgr.close()
+                self._mgr = None

@@ -10,7 +10,7 @@ from absl import flags, logging
 
 from jaxllmq.data.shards import expand_files
 from jaxllmq.kernels import parse_kernels
-from jaxllmq.model.config import PRESETS
+from jaxllmq.model.config import PRESETS, ModelConfig
 from jaxllmq.model.recompute import Recompute
 from jaxllmq.offload import Offload
 from jaxllmq.optim import OptimConfig
@@ -124,6 +124,12 @@ _batch_size = flags.DEFINE_integer(
     "batch_size", 4, "Micro-batch size per device (rows of --seq_len tokens).", lower_bound=1
 )
 _seq_len = flags.DEFINE_integer("seq_len", 1024, "Tokens per row.", lower_bound=1)
+_allow_seq_len_beyond_max_position = flags.DEFINE_bool(
+    "allow_seq_len_beyond_max_position",
+    False,
+    "Train with --seq_len above the model's max_position_embeddings (positions it was not made "
+    "for); without it such a --seq_len is refused.",
+)
 _grad_accumulation = flags.DEFINE_integer(
     "grad_accumulation", 1, "Micro-batches per optimizer step.", lower_bound=1
 )
@@ -261,6 +267,13 @@ _ckpt_major = flags.DEFINE_integer(
     "Never delete a checkpoint whose step is a multiple of N (0 = none).",
     lower_bound=0,
 )
+_ckpt_failure = flags.DEFINE_enum(
+    "ckpt_failure",
+    "stop",
+    ["stop", "continue"],
+    "When a checkpoint fails to save (a full disk, an I/O error): stop the run with exit 1 (its "
+    "last complete checkpoint is then the newest), or continue training and try the next save.",
+)
 _continue = flags.DEFINE_string(
     "continue",
     None,
@@ -377,6 +390,7 @@ class DataConfig:
     train_files: tuple[str, ...]
     eval_files: tuple[str, ...] = ()
     seq_len: int = 1024
+    allow_seq_len_beyond_max_position: bool = False
     batch_size: int = 4  # per device
     grad_accumulation: int = 1
     train_seed: int = 42
@@ -387,6 +401,17 @@ class DataConfig:
             raise ConfigError("--train_file matches no files")
         if self.seq_len < 2 or self.batch_size < 1 or self.grad_accumulation < 1:
             raise ConfigError("--seq_len must be >= 2, --batch_size and --grad_accumulation >= 1")
+
+
+def check_seq_len(data: DataConfig, model_cfg: ModelConfig, model: str) -> None:
+    """Refuse a --seq_len beyond the model's max_position_embeddings unless the flag allows it."""
+    limit = model_cfg.max_position_embeddings
+    if data.seq_len > limit and not data.allow_seq_len_beyond_max_position:
+        raise ConfigError(
+            f"--seq_len={data.seq_len} exceeds --model={model}'s max_position_embeddings "
+            f"({limit}); use --seq_len<={limit}, or --allow_seq_len_beyond_max_position to "
+            "train on positions the model was not made for"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,6 +441,7 @@ class CheckpointConfig:
     ckpt_interval: int = 1000  # 0 = only at the end (--save_training_state) or on a signal
     ckpt_keep_n: int = 3  # 0 = keep all
     ckpt_major: int = 0
+    ckpt_failure: str = "stop"  # a failed save: stop (exit 1) | continue (warn, save again later)
     continue_from: str | None = None  # --continue: latest | STEP | PATH
     new_data: bool = False
     save_training_state: bool = False
@@ -423,6 +449,8 @@ class CheckpointConfig:
     def __post_init__(self):
         if self.ckpt_interval < 0 or self.ckpt_keep_n < 0 or self.ckpt_major < 0:
             raise ConfigError("--ckpt_interval, --ckpt_keep_n and --ckpt_major must be >= 0")
+        if self.ckpt_failure not in ("stop", "continue"):
+            raise ConfigError(f"--ckpt_failure must be stop or continue, got {self.ckpt_failure!r}")
         c = self.continue_from
         if c is not None and (c == "latest" or c.isdigit()) and not self.checkpoint_dir:
             raise ConfigError(f"--continue={c} needs --checkpoint_dir (where to look)")
@@ -553,6 +581,7 @@ def checkpoint_from_flags(name: str) -> CheckpointConfig:
         ckpt_interval=_ckpt_interval.value,
         ckpt_keep_n=_ckpt_keep_n.value,
         ckpt_major=_ckpt_major.value,
+        ckpt_failure=_ckpt_failure.value,
         continue_from=substitute_name(_continue.value, name),
         new_data=_new_data.value,
         save_training_state=_save_training_state.value,
@@ -569,6 +598,7 @@ def from_flags() -> TrainConfig:
             train_files=tuple(expand_files(_train_file.value, "--train_file")),
             eval_files=tuple(expand_files(eval_spec, "--eval_file")) if eval_spec else (),
             seq_len=_seq_len.value,
+            allow_seq_len_beyond_max_position=_allow_seq_len_beyond_max_position.value,
             batch_size=_batch_size.value,
             grad_accumulation=_grad_accumulation.value,
             train_seed=_train_seed.value,
@@ -612,7 +642,13 @@ def normalize_dashes(argv: Sequence[str]) -> list[str]:
 
 def parse_argv(argv: list[str]) -> list[str]:
     """absl flags_parser: flagfiles expanded, dashed spellings normalized; exit 1 on bad flags."""
-    argv = flags.FLAGS.read_flags_from_files(argv, force_gnu=False)
+    try:
+        argv = flags.FLAGS.read_flags_from_files(argv, force_gnu=False)
+    except flags.CantOpenFlagFileError as e:
+        cause = e.__context__  # absl's message lacks the flag; the OSError it wraps has the file
+        if isinstance(cause, OSError):
+            sys.exit(f"error: --flagfile={cause.filename}: cannot read it ({cause.strerror})")
+        sys.exit(f"error: --flagfile: {e}")
     try:
         argv = flags.FLAGS(normalize_dashes(argv))
         if not flags.FLAGS["verbosity"].present:

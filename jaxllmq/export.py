@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from jaxllmq import checkpoint
+from jaxllmq import checkpoint_files, runlock
+from jaxllmq.atomic_dir import AtomicDirError
+from jaxllmq.memory import check_loadable
 from jaxllmq.model import ModelConfigError, hf
 from jaxllmq.model.config import ModelConfig
 from jaxllmq.model.llama import abstract_model
@@ -35,22 +37,22 @@ def tokenizer_dir(model: str, train_files: Sequence[str]) -> str | None:
 
 def load_checkpoint(spec: str) -> tuple[str, ModelConfig, dict, dict]:
     """(path, model config, params on the CPU, run config) of checkpoint `spec` (DIR[/STEP])."""
-    root, steps, fallback = checkpoint.resolve_path(spec)
+    root, steps, fallback = checkpoint_files.resolve_path(spec)
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     for i, step in enumerate(steps):
         path = os.path.join(root, str(step))
         try:
-            saved = checkpoint.read_json_items(path)
+            saved = checkpoint_files.read_json_items(path)
             model_cfg = ModelConfig.from_hf_dict(saved.model, source=f"{path}/model")
             run = saved.run["config"]
-            _, abstract, _ = abstract_model(
-                model_cfg, param_dtype=DTYPES[run["model"]["model_dtype"]]
-            )
+            dtype = DTYPES[run["model"]["model_dtype"]]
+            check_loadable(model_cfg, f"{path}/model", dtype, jax.devices("cpu")[0])
+            _, abstract, _ = abstract_model(model_cfg, param_dtype=dtype)
             target = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu), abstract
             )
-            return path, model_cfg, checkpoint.restore_params(path, target), run
-        except checkpoint.DamagedCheckpointError as e:
+            return path, model_cfg, checkpoint_files.restore_params(path, target), run
+        except checkpoint_files.DamagedCheckpointError as e:
             if not fallback or i == len(steps) - 1:
                 raise
             print(f"{e}; reading the checkpoint before it", file=sys.stderr)
@@ -90,13 +92,21 @@ def main(argv: list[str], flag: dict[str, flags.FlagHolder]) -> None:
         sys.exit(f"error: unexpected arguments {argv[1:]} (flags are --name=value)")
     out_dir = flag["out_dir"].value
     try:
-        path = export_checkpoint(
-            flag["checkpoint"].value,
-            out_dir,
-            tokenizer=flag["tokenizer_dir"].value,
-            dtype=flag["dtype"].value,
-        )
-    except (checkpoint.CheckpointError, ModelConfigError) as e:
+        with runlock.RunLock([("--out_dir", out_dir)], sys.argv) as lock:
+            for note in lock.notes:  # stale locks taken over
+                print(note)
+            path = export_checkpoint(
+                flag["checkpoint"].value,
+                out_dir,
+                tokenizer=flag["tokenizer_dir"].value,
+                dtype=flag["dtype"].value,
+            )
+    except (
+        checkpoint_files.CheckpointError,
+        ModelConfigError,
+        AtomicDirError,
+        runlock.RunLockError,
+    ) as e:
         sys.exit(f"error: {e}")
     print(f"exported {path} to {out_dir}")
 

@@ -24,7 +24,7 @@ import numpy as np
 from absl import app, flags
 from tokenizers import Tokenizer
 
-from jaxllmq import checkpoint
+from jaxllmq import checkpoint_files
 from jaxllmq.export import load_checkpoint, tokenizer_dir
 from jaxllmq.kernels.rms_norm import rms_norm
 from jaxllmq.model import CheckpointFormatError, ModelConfigError, hf
@@ -366,7 +366,7 @@ def main(argv: list[str], flag: dict[str, flags.FlagHolder]) -> None:
         )
     except (
         GenerateError,
-        checkpoint.CheckpointError,
+        checkpoint_files.CheckpointError,
         ModelConfigError,
         CheckpointFormatError,
     ) as e:

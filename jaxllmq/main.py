@@ -8,13 +8,15 @@ import sys
 from absl import app
 
 from jaxllmq import config, trainer, xla_flags
-from jaxllmq.checkpoint import CheckpointError
+from jaxllmq.atomic_dir import AtomicDirError
+from jaxllmq.checkpoint_files import CheckpointError
 from jaxllmq.data.shards import ShardError
 from jaxllmq.log import MissingExtraError
 from jaxllmq.model import CheckpointFormatError, ModelConfigError
 from jaxllmq.offload import OffloadError
 from jaxllmq.optim import NonFiniteError
 from jaxllmq.parallel.mesh import MeshError, initialize_distributed
+from jaxllmq.runlock import RunLockError
 
 
 def main(argv: list[str]) -> None:
@@ -30,6 +32,8 @@ def main(argv: list[str]) -> None:
         OffloadError,
         MissingExtraError,
         MeshError,
+        AtomicDirError,
+        RunLockError,
     )
     try:
         cfg = config.from_flags()  # every config dataclass validates itself: ValueError

@@ -273,6 +273,6 @@ def check_nonfinite(cfg: OptimConfig, step: int, consecutive: int, total: int) -
         raise NonFiniteError(
             f"step {step}: {consecutive} steps in a row had non-finite gradients ({total} in the "
             f"run), reaching --max_nonfinite={cfg.max_nonfinite}; stopping. The skipped steps "
-            "left the parameters untouched: resume from the last checkpoint with a lower --lr, "
-            "a longer --warmup or tighter --grad_clip, or check the data."
+            "left the parameters untouched: resume from a checkpoint with a lower --lr, a longer "
+            "--warmup or tighter --grad_clip, or check the data."
         )

@@ -2,6 +2,7 @@
 
 import dataclasses
 import errno
+import functools
 import os
 import sys
 import tempfile
@@ -11,16 +12,19 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 
-from jaxllmq.checkpoint import CheckpointError, Checkpointing, Preemption
-from jaxllmq.config import ConfigError, TrainConfig
+from jaxllmq import memory, runlock
+from jaxllmq.checkpoint import Checkpointing
+from jaxllmq.checkpoint_files import CheckpointError
+from jaxllmq.config import ConfigError, TrainConfig, check_seq_len
 from jaxllmq.data.pipeline import TokenBatches, to_global_arrays
 from jaxllmq.export import tokenizer_dir
 from jaxllmq.generate import GenerateError, Sampler
 from jaxllmq.log import PEAK_FLOPS_BF16, RunLog
 from jaxllmq.model import hf
 from jaxllmq.model.config import load_model_config
-from jaxllmq.optim import check_nonfinite
+from jaxllmq.optim import NonFiniteError, check_nonfinite, lr_schedule
 from jaxllmq.parallel.mesh import make_mesh, replicated
+from jaxllmq.preemption import Preemption
 from jaxllmq.telemetry import Nvml, device_records
 from jaxllmq.train import Batch, build, kernel_choices
 
@@ -61,12 +65,36 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, argv: list[str] | None = None):
         self.cfg = cfg
         check_output_dirs(cfg)
+        # Before anything is written (the log, orbax's cleanup of its temporaries): the run's
+        # output paths are this run's alone. Released when `run` ends, or here if setup fails.
+        self.lock = runlock.for_run(cfg, argv or sys.argv)
+        try:
+            self._setup(argv)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _setup(self, argv: list[str] | None) -> None:
+        """Everything else: mesh, data, log, checkpoints (resumed), the compiled steps."""
+        cfg = self.cfg
         m = cfg.mesh
         self.mesh = make_mesh(
             m.gpus, tensor_parallel=m.tensor_parallel, data_parallel=m.data_parallel
         )
         n_dev = self.mesh.size
         self.model_cfg = load_model_config(cfg.model.model)
+        # Before any data or weights are read: a --seq_len past the model's positions, or a
+        # model too large for these devices, is refused.
+        check_seq_len(cfg.data, self.model_cfg, cfg.model.model)
+        memory.check_training_fits(
+            self.model_cfg,
+            f"--model={cfg.model.model}",
+            model_dtype=cfg.model.model_dtype,
+            opt_m_dtype=cfg.optim.opt_m_dtype,
+            opt_v_dtype=cfg.optim.opt_v_dtype,
+            offload=cfg.model.offload.any,
+            devices=list(self.mesh.devices.flat),
+        )
         d = cfg.data
         # Rows per micro-batch: --batch_size per device, a tensor-parallel group sharing its rows.
         self.rows = d.batch_size * (n_dev // m.tensor_parallel)
@@ -77,11 +105,14 @@ class Trainer:
             grad_accumulation=d.grad_accumulation,
             seed=d.train_seed,
         )
-        self.train_data.check_vocab_size(self.model_cfg.vocab_size)
-        self._eval_batches()  # an eval set too small for one batch is refused now, not at step N
+        eval_data = self._eval_batches()  # an eval set too small for one batch: refused now
         # Before any device work: samples without a tokenizer are refused at start.
         self.sampler = self._make_sampler() if cfg.sample_every_n_steps > 0 else None
         self.total_steps = cfg.steps or cfg.epochs * self.train_data.steps_per_epoch
+        try:  # --warmup and --cooldown against the run's length (--epochs: known only now)
+            lr_schedule(cfg.optim, self.total_steps)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
         self.tokens_per_step = d.seq_len * self.rows * d.grad_accumulation
         on_gpu = jax.default_backend() == "gpu"
         self.log = RunLog(
@@ -99,6 +130,15 @@ class Trainer:
         self.nvml = Nvml() if self.log.is_main else None
         self.log.record("cmd", 0, argv=argv or sys.argv)
         self.log.record("options", 0, **dataclasses.asdict(cfg))
+        # Every token id inside the model's vocab, and tokens to train on, before device work.
+        log_info = functools.partial(self.log.info, 0)
+        vocab = self.model_cfg.vocab_size
+        self.train_data.validate(vocab, note=log_info)
+        self.eval_scored = eval_data is not None and (
+            eval_data.validate(vocab, need_scored=False, note=log_info) > 0
+        )
+        for note in self.lock.notes:
+            self.log.info(0, note)
         # Before the build: a checkpoint that cannot be resumed is refused before device work.
         self.ckpt = Checkpointing(
             cfg.ckpt,
@@ -190,10 +230,12 @@ class Trainer:
         )
 
     def evaluate(self, max_batches: int | None) -> tuple[float, int] | None:
-        """Mean loss over the eval set (from its start), at most `max_batches` batches."""
-        batches = self._eval_batches()
-        if batches is None:
+        """Mean loss over the eval set (from its start), at most `max_batches` batches, and the
+        tokens scored; None without an eval set with scored tokens, NaN loss if the batches read
+        score none."""
+        if not self.eval_scored:
             return None
+        batches = self._eval_batches()
         ce, tokens = 0.0, 0
         for i, batch in enumerate(batches):
             if max_batches is not None and i >= max_batches:
@@ -202,7 +244,7 @@ class Trainer:
                 self.state.params, to_global_arrays(batch, self.batch_sharding)
             )
             ce, tokens = ce + float(c), tokens + int(t)
-        return ce / max(tokens, 1), tokens
+        return (ce / tokens if tokens else float("nan")), tokens
 
     def _log_step(self, step: int, metrics: dict, t_prev: float) -> float:
         """Fetch a step's metrics (waiting for that step only) and log them; returns the time it
@@ -223,7 +265,10 @@ class Trainer:
         )
         if int(m["nonfinite"]) > 0:
             self.log.info(step, f"step {step}: non-finite gradients, update skipped")
-        check_nonfinite(self.cfg.optim, step, int(m["nonfinite"]), int(m["nonfinite_total"]))
+        try:
+            check_nonfinite(self.cfg.optim, step, int(m["nonfinite"]), int(m["nonfinite_total"]))
+        except NonFiniteError as e:
+            raise NonFiniteError(f"{e} {self.ckpt.resume_advice()}") from None
         every = self.cfg.log_gpu_util
         if every > 0 and step % every == 0:
             self._log_gpu(step)
@@ -264,7 +309,7 @@ class Trainer:
 
     def _eval_due(self, step: int) -> bool:
         every = self.cfg.eval_every_n_steps
-        return bool(self.cfg.data.eval_files) and every > 0 and step % every == 0
+        return self.eval_scored and every > 0 and step % every == 0
 
     def run(self) -> dict[str, float]:
         """Train to the last step, evaluate on the whole eval set, export. Returns final losses.
@@ -281,6 +326,7 @@ class Trainer:
         finally:
             preemption.uninstall()
             self.ckpt.close()
+            self.lock.release()
 
     def _run(self, preemption: Preemption) -> dict[str, float]:
         pending = None  # (step, metrics) dispatched but not yet logged
@@ -289,6 +335,7 @@ class Trainer:
         for step in range(self.first_step, self.total_steps + 1):
             batch = to_global_arrays(next(self.train_data), self.batch_sharding)
             self.state, metrics = self.compiled.train_step(self.state, batch)
+            self.ckpt.check_saves(step)  # while the step runs: did a background save fail?
             if pending is not None:
                 # Log step t-1 while step t runs: the fetch waits for t-1 only.
                 t_prev = self._log_step(*pending, t_prev)
@@ -313,10 +360,12 @@ class Trainer:
                 t_prev = time.perf_counter()
             if stop:
                 self.ckpt.close()
+                saved = self.ckpt.last_saved == step  # else it failed (--ckpt_failure=continue)
                 self.log.info(
                     step,
                     f"stopped by {preemption.signal} after step {step}: checkpoint "
-                    f"{self.ckpt.path(step)} is complete; resume with --continue=latest",
+                    f"{self.ckpt.path(step)} {'is complete' if saved else 'could not be saved'}; "
+                    "resume with --continue=latest",
                 )
                 self.log.close()
                 return {"train_loss": float(metrics["loss"]), "stopped_at": step}

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jaxllmq import checkpoint
+from jaxllmq import checkpoint, checkpoint_files, resume_rules
 from jaxllmq.config import CheckpointConfig, ConfigError
 from jaxllmq.data.shards import write_shard
 from jaxllmq.model.config import preset
@@ -43,7 +43,10 @@ def shards(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("jax_cache"))
+    """One per session: test_checkpoint_integrity.py's runs reuse these compiled executables."""
+    path = tmp_path_factory.getbasetemp() / "jax_cache"
+    path.mkdir(exist_ok=True)
+    return str(path)
 
 
 def _env(cache: str | None) -> dict:
@@ -112,7 +115,7 @@ def reference(shards, cache, tmp_path_factory) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = _steps(out)
     assert sorted(steps) == list(range(1, 9))
-    assert checkpoint.checkpoint_steps(f"{out}/ckpt") == [2, 4, 6, 8]
+    assert checkpoint_files.checkpoint_steps(f"{out}/ckpt") == [2, 4, 6, 8]
     return {"dir": out, "ckpt": f"{out}/ckpt", "steps": steps}
 
 
@@ -162,7 +165,7 @@ def test_sigterm_leaves_a_checkpoint_and_resuming_matches(shards, cache, referen
     stopped = int(line.split("after step ")[1].split(":")[0])
     assert 1 <= stopped < 8, line
     assert f"{out}/ckpt/{stopped}" in line
-    assert checkpoint.checkpoint_steps(f"{out}/ckpt") == [stopped]
+    assert checkpoint_files.checkpoint_steps(f"{out}/ckpt") == [stopped]
 
     resumed = run_module(args + ["--continue=latest"], cache)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -211,14 +214,14 @@ def test_kill_9_during_an_async_save_resumes_from_the_last_complete(
     names = os.listdir(f"{out}/ckpt")
     assert "2" in names and "4" not in names
     assert any(n.startswith("4.") for n in names)  # the save in flight: never renamed
-    assert checkpoint.checkpoint_steps(f"{out}/ckpt") == [2]
+    assert checkpoint_files.checkpoint_steps(f"{out}/ckpt") == [2]
 
     resumed = run_module(args + ["--continue=latest"], cache)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {out}/ckpt/2 (step 2)" in resumed.stdout
     steps = _steps(out)
     assert all(steps[s] == reference["steps"][s] for s in range(3, 9))
-    assert checkpoint.checkpoint_steps(f"{out}/ckpt") == [4, 6, 8]  # --ckpt_keep_n=3
+    assert checkpoint_files.checkpoint_steps(f"{out}/ckpt") == [4, 6, 8]  # --ckpt_keep_n=3
     assert not any(n.startswith("4.") for n in os.listdir(f"{out}/ckpt"))
 
 
@@ -250,6 +253,64 @@ def test_damaged_checkpoint_is_named_and_latest_falls_back(shards, cache, refere
     assert f"resumed from {ckpt}/4 (step 4)" in latest.stdout
     assert _steps(out)[5] == reference["steps"][5]
     assert {"6.damaged", "8.damaged"} <= set(os.listdir(ckpt))
+
+
+def _largest(directory: str) -> str:
+    """The biggest file under `directory` (an item's array data)."""
+    files = [os.path.join(p, n) for p, _, names in os.walk(directory) for n in names]
+    return max(files, key=os.path.getsize)
+
+
+def _flip_byte(file: str, offset: int | None = None) -> None:
+    """Flip the lowest bit of one byte of `file` (by default, its middle one)."""
+    with open(file, "r+b") as f:
+        f.seek(os.path.getsize(file) // 2 if offset is None else offset)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _copy(reference: dict, ckpt: str, *steps: int) -> None:
+    for step in steps:
+        shutil.copytree(f"{reference['ckpt']}/{step}", f"{ckpt}/{step}")
+
+
+@pytest.mark.parametrize("item", ["params", "train_state", "data"])
+def test_a_flipped_byte_is_named_and_latest_falls_back(shards, cache, reference, tmp_path, item):
+    out, ckpt = str(tmp_path), f"{tmp_path}/ckpt"
+    _copy(reference, ckpt, 6, 8)
+    if item == "data":  # the data position's step, 8 -> 9: still valid JSON, of the same size
+        file = f"{ckpt}/8/data/metadata"
+        with open(file, "rb") as f:
+            _flip_byte(file, f.read().index(b'"step": 8') + len(b'"step": '))
+    else:
+        file = _largest(f"{ckpt}/8/{item}")
+        _flip_byte(file)
+    rel = os.path.relpath(file, f"{ckpt}/8")
+    args = _flags(shards, out, f"--checkpoint_dir={ckpt}", "--steps=7", "--continue=latest")
+    proc = run_module(args, cache)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"checkpoint {ckpt}/8 is damaged: {rel} has changed since it was written" in proc.stdout
+    assert f"resumed from {ckpt}/6 (step 6)" in proc.stdout
+    assert "8.damaged" in os.listdir(ckpt)
+    assert _steps(out)[7] == reference["steps"][7]
+
+
+def test_damage_found_by_reading_prints_no_asyncio_noise(shards, cache, reference, tmp_path):
+    # Without files.json nothing is checked up front: reading the truncated array fails, and
+    # orbax's abandoned reads used to print "Event loop is closed" tracebacks by the dozen.
+    out, ckpt = str(tmp_path), f"{tmp_path}/ckpt"
+    _copy(reference, ckpt, 6, 8)
+    os.remove(f"{ckpt}/8/files.json")
+    with open(_largest(f"{ckpt}/8/params"), "r+b") as f:
+        f.truncate(10)
+    args = _flags(shards, out, f"--checkpoint_dir={ckpt}", "--steps=7", "--continue=latest")
+    proc = run_module(args, cache)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"checkpoint {ckpt}/8 is damaged" in proc.stdout
+    assert f"resumed from {ckpt}/6 (step 6)" in proc.stdout
+    assert "Event loop is closed" not in proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
 
 
 def _other_model(tmp_path) -> str:
@@ -366,7 +427,7 @@ def test_keep_n_and_major_retention(tmp_path):
     for s in range(1, 14):
         ck.save(s, _state(s), data={"step": s}, log={})
     ck.close()
-    assert checkpoint.checkpoint_steps(str(tmp_path)) == [5, 10, 12, 13]
+    assert checkpoint_files.checkpoint_steps(str(tmp_path)) == [5, 10, 12, 13]
     # A resumed run goes on with the same policy over the same directory.
     ck = _checkpointing(tmp_path, ckpt_keep_n=2, ckpt_major=5, continue_from="latest")
     assert ck.resume.step == 13 and ck.resume.data == {"step": 13}
@@ -376,7 +437,7 @@ def test_keep_n_and_major_retention(tmp_path):
     for s in range(14, 17):
         ck.save(s, restored, data={}, log={})
     ck.close()
-    assert checkpoint.checkpoint_steps(str(tmp_path)) == [5, 10, 15, 16]
+    assert checkpoint_files.checkpoint_steps(str(tmp_path)) == [5, 10, 15, 16]
 
 
 def test_verify_names_missing_and_truncated_files(tmp_path):
@@ -384,19 +445,19 @@ def test_verify_names_missing_and_truncated_files(tmp_path):
     ck.save(3, _state(3), data={}, log={})
     ck.close()
     path = str(tmp_path / "3")
-    assert checkpoint.verify(path) == []
+    assert checkpoint_files.verify(path) == []
     os.remove(f"{path}/data/metadata")
     with open(f"{path}/params/manifest.ocdbt", "r+b") as f:
         f.truncate(5)
-    problems = checkpoint.verify(path)
+    problems = checkpoint_files.verify(path)
     assert "data/metadata is missing" in problems
     assert any(p.startswith("params/manifest.ocdbt is 5 bytes") for p in problems)
-    with pytest.raises(checkpoint.DamagedCheckpointError, match="data/metadata is missing"):
-        checkpoint.read_json_items(path)
+    with pytest.raises(checkpoint_files.DamagedCheckpointError, match="data/metadata is missing"):
+        checkpoint_files.read_json_items(path)
 
 
 def test_check_resume_allows_harmless_changes_and_logs_them():
-    saved = checkpoint.Saved(
+    saved = checkpoint_files.Saved(
         "/x/10",
         data={},
         log={},
@@ -404,14 +465,14 @@ def test_check_resume_allows_harmless_changes_and_logs_them():
         model={"hidden_size": 4},
     )
     now = {"optim": {"lr": 3e-4, "opt_m_dtype": "float32", "grad_clip": 0.5}, "steps": 9}
-    changes = checkpoint.check_resume(saved, now, {"hidden_size": 4})
+    changes = resume_rules.check_resume(saved, now, {"hidden_size": 4})
     assert changes == ["--grad_clip: 1.0 -> 0.5", "--lr: 0.001 -> 0.0003", "--steps: None -> 9"]
-    with pytest.raises(checkpoint.CheckpointError, match="--opt_m_dtype=float32"):
-        checkpoint.check_resume(
+    with pytest.raises(checkpoint_files.CheckpointError, match="--opt_m_dtype=float32"):
+        resume_rules.check_resume(
             saved, {"optim": dict(now["optim"], opt_m_dtype="bfloat16")}, {"hidden_size": 4}
         )
-    with pytest.raises(checkpoint.CheckpointError, match="another model"):
-        checkpoint.check_resume(saved, now, {"hidden_size": 8})
+    with pytest.raises(checkpoint_files.CheckpointError, match="another model"):
+        resume_rules.check_resume(saved, now, {"hidden_size": 8})
 
 
 @pytest.mark.parametrize(

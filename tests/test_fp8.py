@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from test_checkpoint import run_module
 
-from jaxllmq import checkpoint, train
+from jaxllmq import checkpoint, checkpoint_files, resume_rules, train
 from jaxllmq.config import CheckpointConfig, ConfigError, ModelSpec
 from jaxllmq.data.shards import write_shard
 from jaxllmq.kernels.rms_norm import rms_norm
@@ -292,18 +292,24 @@ def test_histories_survive_a_checkpoint_and_old_checkpoints_still_restore(tmp_pa
 
     delayed = save(tmp_path / "delayed", state(history, 5.0))
     zeros = jax.tree.map(jnp.zeros_like, history)
-    restored = checkpoint.restore_arrays(delayed, checkpoint.abstract_like(state(zeros, 0.0)))
+    restored = checkpoint_files.restore_arrays(
+        delayed, checkpoint_files.abstract_like(state(zeros, 0.0))
+    )
     jax.tree.map(np.testing.assert_array_equal, restored.fp8, history)
     assert int(restored.step) == 5
     # Without delayed scaling the state saves what checkpoints from before the field did:
     # they restore, and a delayed run refuses them naming the flag.
     old = save(tmp_path / "old", state({}, 5.0))
-    assert checkpoint.restore_arrays(old, checkpoint.abstract_like(state({}))).fp8 == {}
-    with pytest.raises(checkpoint.CheckpointError, match="amax histories of --fp8_scaling=delayed"):
-        checkpoint.restore_arrays(old, checkpoint.abstract_like(state(zeros)))
-    saved = checkpoint.Saved(delayed, {}, {}, {"config": {"model": {"fp8_scaling": "delayed"}}}, {})
-    with pytest.raises(checkpoint.CheckpointError, match="--fp8_scaling=delayed"):
-        checkpoint.check_resume(saved, {"model": {"fp8_scaling": "current"}}, {})
+    assert checkpoint_files.restore_arrays(old, checkpoint_files.abstract_like(state({}))).fp8 == {}
+    with pytest.raises(
+        checkpoint_files.CheckpointError, match="amax histories of --fp8_scaling=delayed"
+    ):
+        checkpoint_files.restore_arrays(old, checkpoint_files.abstract_like(state(zeros)))
+    saved = checkpoint_files.Saved(
+        delayed, {}, {}, {"config": {"model": {"fp8_scaling": "delayed"}}}, {}
+    )
+    with pytest.raises(checkpoint_files.CheckpointError, match="--fp8_scaling=delayed"):
+        resume_rules.check_resume(saved, {"model": {"fp8_scaling": "current"}}, {})
 
 
 def test_model_spec_refuses_dtype_combinations_naming_the_flag():

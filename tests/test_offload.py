@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxllmq import checkpoint, train
+from jaxllmq import checkpoint, checkpoint_files, train
 from jaxllmq.bench import synthetic_batch
 from jaxllmq.config import CheckpointConfig, ModelSpec
 from jaxllmq.model.config import preset
@@ -127,7 +127,9 @@ def test_checkpoint_round_trip_of_host_resident_state(reference, offloaded, tmp_
     )
     ckpt.save(1, state, data={}, log={})
     ckpt.close()
-    restored = checkpoint.restore_arrays(str(tmp_path / "1"), checkpoint.abstract_like(state))
+    restored = checkpoint_files.restore_arrays(
+        str(tmp_path / "1"), checkpoint_files.abstract_like(state)
+    )
     assert _kinds(restored.params) == {HOST}
     assert jax.tree.map(lambda x: x.sharding, restored) == jax.tree.map(lambda x: x.sharding, state)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):

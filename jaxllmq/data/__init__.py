@@ -1,4 +1,5 @@
-"""Token data: BIN.TOK shards (shards), the Grain input pipeline (pipeline), tokenizing (prepare).
+"""Token data: BIN.TOK shards (shards), the Grain input pipeline (pipeline), tokenizing (prepare),
+the checks of token ids and loss masks before training (validate).
 
 The shard API is numpy-only and imported here eagerly; the pipeline's names load on first use
 (PEP 562) so that `python -m jaxllmq.data.prepare` and its worker processes never import jax or

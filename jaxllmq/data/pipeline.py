@@ -17,7 +17,10 @@ per-element Python cost is paid once per row, not per token.
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
+import zlib
 from collections.abc import Sequence
 
 import grain
@@ -27,7 +30,10 @@ from absl import flags
 from grain.experimental import index_shuffle
 
 from jaxllmq.data.shards import Shard, ShardError, check_vocab_size, expand_files, open_shard
+from jaxllmq.data.validate import Note, check_shards, name_files
 
+# Bytes read from each end of a data file for the CRC-32 a saved data position records.
+_SAMPLE_BYTES = 1 << 20
 # A step is one Grain element: inputs, targets int32[A, B_local, T] and loss_mask bool[A, B_local, T].
 Batch = dict[str, np.ndarray]
 
@@ -168,6 +174,7 @@ class TokenBatches:
                 f"divisible by the number of processes, {process_count}"
             )
         self.files = expand_files(files, flag_name)
+        self.flag_name = flag_name
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.grad_accumulation = grad_accumulation
@@ -180,8 +187,8 @@ class TokenBatches:
         self.steps_per_epoch = self.num_windows // rows_per_step
         if self.steps_per_epoch == 0:
             raise ShardError(
-                f"{flag_name}: {len(self.files)} file(s) ({', '.join(self.files[:3])}"
-                f"{', ...' if len(self.files) > 3 else ''}) hold {self.num_windows} windows of "
+                f"{flag_name}: {len(self.files)} file(s) ({name_files(self.files)}) hold "
+                f"{self.num_windows} windows of "
                 f"--seq_len+1={seq_len + 1} tokens, fewer than one step needs "
                 f"(grad_accumulation {grad_accumulation} x global batch {batch_size} = "
                 f"{rows_per_step}); give more data or lower --batch_size / --seq_len"
@@ -201,9 +208,17 @@ class TokenBatches:
         """Largest vocab size over the shards' headers."""
         return max(shard.vocab_size for shard in self._loader.reader.shards)
 
-    def check_vocab_size(self, model_vocab_size: int) -> None:
-        """Raise ShardError naming the shard if the data's vocab exceeds the model's."""
-        check_vocab_size(self._loader.reader.shards, model_vocab_size)
+    def validate(
+        self, model_vocab_size: int, *, need_scored: bool = True, note: Note = print
+    ) -> int:
+        """Check the shards fit the model before training: header vocab sizes, every token id in
+        [0, model_vocab_size), and some token to train on (`need_scored`; else a warning to
+        `note`). Raises ShardError; returns the number of scored tokens."""
+        shards = self._loader.reader.shards
+        check_vocab_size(shards, model_vocab_size)
+        return check_shards(
+            shards, model_vocab_size, flag_name=self.flag_name, need_scored=need_scored, note=note
+        )
 
     def _dataset(self, start: int) -> grain.IterDataset:
         stop = sys.maxsize if self.repeat else self.steps_per_epoch
@@ -232,9 +247,11 @@ class TokenBatches:
         return batch
 
     def get_state(self) -> dict:
-        """The position of the next batch, plus what it is only valid for (JSON-serializable)."""
+        """The position of the next batch, plus what it is only valid for (JSON-serializable):
+        the files (see _file_identities), seed, order and shapes."""
         return {
             "step": self._step,
+            "files": self._file_identities,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "num_windows": self.num_windows,
@@ -242,10 +259,38 @@ class TokenBatches:
             "rows_per_step": self.grad_accumulation * self.batch_size,
         }
 
+    @functools.cached_property
+    def _file_identities(self) -> list[dict]:
+        """Each file's path, size, token count and the CRC-32 of its first and last MiB: the
+        data a saved position belongs to. A resume compares all but the path (so a copy or a
+        moved directory resumes) and never the mtime (which a copy changes)."""
+        files = []
+        for shard in self._loader.reader.shards:
+            with open(shard.path, "rb") as f:
+                crc = zlib.crc32(f.read(_SAMPLE_BYTES))
+                f.seek(max(0, shard.file_bytes - _SAMPLE_BYTES))
+                crc = zlib.crc32(f.read(_SAMPLE_BYTES), crc)
+            files.append(
+                {
+                    "path": os.path.abspath(shard.path),
+                    "bytes": shard.file_bytes,
+                    "tokens": shard.num_tokens,
+                    "sample_crc32": f"{crc:08x}",
+                }
+            )
+        return files
+
     def set_state(self, state: dict) -> None:
         """Resume at a position from get_state(): the next batches are the ones it would give."""
         mine = self.get_state()
-        changed = [k for k in mine if k != "step" and state.get(k) != mine[k]]
+        saved_files = state.get("files")  # None in states saved before files were recorded
+        if saved_files is not None and _identities(saved_files) != _identities(mine["files"]):
+            diff = _files_diff(saved_files, mine["files"])
+            raise ValueError(
+                f"the saved data position is in other files ({diff}); resume with the same "
+                f"{self.flag_name}, or pass --new_data to start this data from its beginning"
+            )
+        changed = [k for k in mine if k not in ("step", "files") and state.get(k) != mine[k]]
         if changed:
             diff = ", ".join(f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in changed)
             raise ValueError(
@@ -266,6 +311,31 @@ class TokenBatches:
         if self._iter is not None:
             self._iter.close()
             self._iter = None
+
+
+def _identities(files: list) -> list:
+    """What tells files apart for a resume: all of a _file_identities entry but its path."""
+    return [
+        {k: v for k, v in f.items() if k != "path"} if isinstance(f, dict) else f for f in files
+    ]
+
+
+def _files_diff(saved: list, now: list) -> str:
+    """The first difference between two get_state() file lists, in words."""
+    common = min(len(saved), len(now))
+    saved_ids, now_ids = _identities(saved), _identities(now)
+    i = next((i for i in range(common) if saved_ids[i] != now_ids[i]), common)
+
+    def describe(files: list) -> str:
+        if i >= len(files) or not isinstance(files[i], dict):
+            return "none"
+        f = files[i]
+        return f"{f.get('path')!r} ({f.get('tokens')} tokens, {f.get('bytes')} bytes)"
+
+    return (
+        f"saved {len(saved)} files, now {len(now)}; file {i + 1} was {describe(saved)}, now "
+        f"{describe(now)}"
+    )
 
 
 def to_global_arrays(batch: Batch, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:

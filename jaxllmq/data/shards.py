@@ -1,6 +1,6 @@
 """llmq's BIN.TOK token shards: a 1024-byte header, int32 tokens, optional packed-bit masks.
 
-Layout (int32 little-endian header words; see ../shared/DESIGN.md, "Token shards"):
+Layout (int32 little-endian header words):
 
     bytes 0-7   magic b"BIN.TOK\\n"
     word  [2]   version (2 written; 1 also read)
@@ -65,6 +65,11 @@ class Shard:
         chunk = 1 << 24  # 64 MiB at a time: never the whole shard in RAM
         top = max(int(self.tokens[i : i + chunk].max()) for i in range(0, self.num_tokens, chunk))
         return top + 1
+
+    @property
+    def file_bytes(self) -> int:
+        """Size of the file: header, tokens and masks (open_shard checked it is exactly this)."""
+        return _shard_bytes(self.num_tokens, self.has_mask)
 
     def mask(self, start: int, stop: int) -> np.ndarray:
         """Loss mask of tokens [start, stop) as bool; all True when the shard has no masks."""

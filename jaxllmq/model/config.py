@@ -21,6 +21,27 @@ class ModelConfigError(ValueError):
     """A model config that this trainer cannot build, with what to do about it."""
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # JSON's true is no size
+
+
+def _check_int(name: str, x: Any) -> None:
+    """Refuse a size that is not a positive integer ("256", 256.0 and true included)."""
+    if not _is_int(x) or x <= 0:
+        raise ModelConfigError(f"{name} must be a positive integer, got {x!r}")
+
+
+def _check_number(name: str, x: Any, minimum: float | None = None) -> None:
+    """Refuse a value that is not a finite number, > 0 (or >= minimum where given)."""
+    try:
+        ok = (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
+    except OverflowError:  # an integer past float's range
+        ok = False
+    if not ok or (x < minimum if minimum is not None else x <= 0):
+        bound = f">= {minimum}" if minimum is not None else "> 0"
+        raise ModelConfigError(f"{name} must be a number {bound}, got {x!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling: "linear" (factor) or "llama3" (factor, low/high, original ctx)."""
@@ -37,8 +58,11 @@ class RopeScaling:
                 f"rope scaling type {self.rope_type!r} is not implemented "
                 f"(supported: linear, llama3)"
             )
-        if self.factor <= 0:
-            raise ModelConfigError(f"rope scaling factor must be > 0, got {self.factor}")
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            _check_number(f"rope scaling {name}", getattr(self, name))
+        _check_int(
+            "rope scaling original_max_position_embeddings", self.original_max_position_embeddings
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +100,24 @@ class ModelConfig:
             "num_hidden_layers",
             "num_attention_heads",
             "num_key_value_heads",
+            "max_position_embeddings",
         ):
-            if getattr(self, name) <= 0:
-                raise ModelConfigError(f"{name} must be positive, got {getattr(self, name)}")
+            _check_int(name, getattr(self, name))
+        for name in ("head_dim", "sliding_window"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name))
+        _check_number("rms_norm_eps", self.rms_norm_eps, minimum=0.0)
+        _check_number("rope_theta", self.rope_theta)
+        for name in ("tie_word_embeddings", "attention_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ModelConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.bos_token_id is not None and not _is_int(self.bos_token_id):
+            raise ModelConfigError(f"bos_token_id must be an integer, got {self.bos_token_id!r}")
+        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        if any(i is not None and not _is_int(i) for i in eos):
+            raise ModelConfigError(
+                f"eos_token_id must be an integer or a list of them, got {self.eos_token_id!r}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -139,47 +178,59 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
-        """Build from a parsed HF config.json; unknown architectures and unsupported fields fail."""
+        """Build from a parsed HF config.json; unknown architectures, unsupported fields and
+        values of the wrong type fail, naming `source` and the field."""
+        if not isinstance(d, dict):
+            raise ModelConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        try:
+            return cls._from_hf_fields(d)
+        except KeyError as e:
+            raise ModelConfigError(f"{source}: missing required field {e.args[0]!r}") from None
+        except ModelConfigError as e:
+            raise ModelConfigError(f"{source}: {e}") from None
+
+    @classmethod
+    def _from_hf_fields(cls, d: dict[str, Any]) -> "ModelConfig":
         archs = d.get("architectures") or []
-        if len(archs) != 1:
-            raise ModelConfigError(f"{source}: expected one entry in 'architectures', got {archs}")
+        if not isinstance(archs, list) or len(archs) != 1:
+            raise ModelConfigError(f"expected one entry in 'architectures', got {archs!r}")
         arch = archs[0]
         if arch not in ARCHITECTURES:
             raise ModelConfigError(
-                f"{source}: architecture {arch!r} is not supported (supported: "
-                f"{', '.join(ARCHITECTURES)})"
+                f"architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
             )
         act = d.get("hidden_act", "silu")
         if act != "silu":
-            raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (only silu)")
+            raise ModelConfigError(f"hidden_act {act!r} is not supported (only silu)")
         if d.get("mlp_bias"):
-            raise ModelConfigError(f"{source}: mlp_bias=true is not supported")
+            raise ModelConfigError("mlp_bias=true is not supported")
         if arch == "Qwen2ForCausalLM" and d.get("use_sliding_window"):
-            raise ModelConfigError(f"{source}: use_sliding_window=true is not supported")
-        theta, scaling = _read_rope(d, source)
+            raise ModelConfigError("use_sliding_window=true is not supported")
+
+        def get(key: str, default: Any) -> Any:  # absent or null: the default
+            return default if d.get(key) is None else d[key]
+
+        theta, scaling = _read_rope(d)
         heads = d["num_attention_heads"]
-        try:
-            return cls(
-                vocab_size=d["vocab_size"],
-                hidden_size=d["hidden_size"],
-                intermediate_size=d["intermediate_size"],
-                num_hidden_layers=d["num_hidden_layers"],
-                num_attention_heads=heads,
-                num_key_value_heads=d.get("num_key_value_heads") or heads,
-                head_dim=d.get("head_dim"),
-                rms_norm_eps=d.get("rms_norm_eps", 1e-6 if arch == "Qwen2ForCausalLM" else 1e-5),
-                rope_theta=theta,
-                rope_scaling=scaling,
-                max_position_embeddings=d.get("max_position_embeddings", 4096),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
-                sliding_window=d.get("sliding_window") if arch == "MistralForCausalLM" else None,
-                architecture=arch,
-                bos_token_id=d.get("bos_token_id"),
-                eos_token_id=d.get("eos_token_id"),
-            )
-        except KeyError as e:
-            raise ModelConfigError(f"{source}: missing required field {e.args[0]!r}") from None
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=get("num_key_value_heads", heads),
+            head_dim=d.get("head_dim"),
+            rms_norm_eps=get("rms_norm_eps", 1e-6 if arch == "Qwen2ForCausalLM" else 1e-5),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=get("max_position_embeddings", 4096),
+            tie_word_embeddings=get("tie_word_embeddings", False),
+            attention_bias=arch == "Qwen2ForCausalLM" or get("attention_bias", False),
+            sliding_window=d.get("sliding_window") if arch == "MistralForCausalLM" else None,
+            architecture=arch,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+        )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF config.json dict (rope_theta + rope_scaling, read by transformers 4 and 5)."""
@@ -232,9 +283,11 @@ class ModelConfig:
                 f"or, with --from_scratch, a preset ({', '.join(PRESETS)})"
             )
         try:
-            with open(cfg_path) as f:
+            with open(cfg_path, encoding="utf-8") as f:
                 d = json.load(f)
-        except json.JSONDecodeError as e:
+        except OSError as e:
+            raise ModelConfigError(f"{cfg_path}: cannot read it ({e.strerror or e})") from None
+        except ValueError as e:  # not JSON, not UTF-8, or an integer too long to parse
             raise ModelConfigError(f"{cfg_path}: not valid JSON ({e})") from None
         return cls.from_hf_dict(d, source=cfg_path)
 
@@ -246,7 +299,7 @@ class ModelConfig:
             f.write("\n")
 
 
-def _read_rope(d: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+def _read_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     """RoPE theta and scaling from either spelling: rope_theta + rope_scaling, or rope_parameters."""
     params = d.get("rope_parameters")
     scaling = d.get("rope_scaling")
@@ -256,14 +309,17 @@ def _read_rope(d: dict[str, Any], source: str) -> tuple[float, RopeScaling | Non
         scaling = params
     if theta is None:
         theta = 10000.0
+    _check_number("rope_theta", theta)
     if not scaling:
         return float(theta), None
+    if not isinstance(scaling, dict):
+        raise ModelConfigError(f"rope_scaling must be a JSON object, got {scaling!r}")
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return float(theta), None
     if rope_type not in ROPE_TYPES:
         raise ModelConfigError(
-            f"{source}: rope scaling type {rope_type!r} is not implemented "
+            f"rope scaling type {rope_type!r} is not implemented "
             f"(supported: {', '.join(ROPE_TYPES)})"
         )
     fields = {k: scaling[k] for k in dataclasses.asdict(RopeScaling("linear")) if k in scaling}

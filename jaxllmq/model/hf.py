@@ -14,9 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from jaxllmq import atomic_dir
+from jaxllmq.memory import check_loadable
 from jaxllmq.model.config import ModelConfig
 from jaxllmq.model.llama import Llama, abstract_model, params_of
 
@@ -55,8 +57,21 @@ TOKENIZER_FILES = (
 _DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 
+# The safetensors dtypes weights are read from (cast to the model's dtype). Integer and bool
+# tensors are not weights, and fp8 ones need scales this reader does not apply.
+_WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
 class CheckpointFormatError(ValueError):
-    """An HF model directory whose tensors do not fit the config, naming the tensor."""
+    """An HF model directory whose files or tensors do not fit the config, naming the file."""
+
+
+def _open(file: str):
+    """An open safetensors file (its header read and checked); a damaged one is refused."""
+    try:
+        return safe_open(file, framework="numpy").__enter__()
+    except (OSError, SafetensorError) as e:
+        raise CheckpointFormatError(f"{file}: not a readable safetensors file ({e})") from None
 
 
 def _tensor_index(path: str) -> dict[str, str]:
@@ -64,16 +79,60 @@ def _tensor_index(path: str) -> dict[str, str]:
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
+            raise CheckpointFormatError(f"{index}: cannot read it as JSON ({e})") from None
+        except (KeyError, TypeError):
+            raise CheckpointFormatError(f"{index}: no 'weight_map' in it") from None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise CheckpointFormatError(
+                f"{index}: 'weight_map' must map tensor names to shard file names"
+            )
+        files = {name: os.path.join(path, file) for name, file in weight_map.items()}
+        absent = sorted({os.path.basename(f) for f in files.values() if not os.path.isfile(f)})
+        if absent:
+            raise CheckpointFormatError(
+                f"{index}: names shard files that are not in {path}: {', '.join(absent[:3])}"
+                + (f" (+{len(absent) - 3} more)" if len(absent) > 3 else "")
+            )
+        return files
     if os.path.isfile(single):
-        with safe_open(single, framework="numpy") as f:
+        f = _open(single)
+        try:
             return {name: single for name in f.keys()}
+        finally:
+            f.__exit__(None, None, None)
     raise CheckpointFormatError(
         f"{path}: neither model.safetensors nor model.safetensors.index.json is here "
         "(only safetensors checkpoints are read; convert .bin files with transformers first)"
     )
+
+
+def _check_header(
+    f, names: set[str], file: str, name: str, transposed: bool, want: tuple[int, ...]
+) -> None:
+    """Refuse a tensor that is not in `file` (open as `f`, holding `names`), is not floating
+    point, or has the wrong shape."""
+    if name not in names:
+        raise CheckpointFormatError(f"{file}: tensor {name} is not in it (the index says it is)")
+    header = f.get_slice(name)
+    dtype = header.get_dtype()
+    if dtype not in _WEIGHT_DTYPES:
+        raise CheckpointFormatError(
+            f"{file}: tensor {name} has dtype {dtype}; weights are read from floating point "
+            f"({', '.join(_WEIGHT_DTYPES)}) only"
+        )
+    shape = list(header.get_shape())
+    shape = shape[::-1] if transposed else shape
+    if shape != list(want):
+        raise CheckpointFormatError(
+            f"{file}: tensor {name} has shape {shape}"
+            f"{' (transposed)' if transposed else ''}, the config implies {list(want)}"
+        )
 
 
 def _expected(
@@ -124,31 +183,28 @@ def load_hf_params(
             + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         )
 
-    handles: dict[str, object] = {}
-
-    def read(name: str) -> np.ndarray:
-        file = files[name]
-        if file not in handles:
-            handles[file] = safe_open(file, framework="numpy").__enter__()
-        return handles[file].get_tensor(name)
-
     out: dict = {"layers": {}}
     by_param: dict[tuple[str, ...], list] = {}
     for key, name, transposed, layer in expected:
         by_param.setdefault(key, []).append((name, transposed, layer))
+    handles: dict[str, object] = {}
     try:
+        # Every header first: a bad tensor is refused before any parameter is read.
+        for file in sorted({files[name] for name in wanted}):
+            handles[file] = _open(file)
+        names = {file: set(h.keys()) for file, h in handles.items()}
+        for key, entries in by_param.items():
+            spec = abstract[key[0]] if len(key) == 1 else abstract["layers"][key[1]]
+            for name, transposed, layer in entries:
+                want = spec.shape if layer is None else spec.shape[1:]
+                file = files[name]
+                _check_header(handles[file], names[file], file, name, transposed, want)
         for key, entries in by_param.items():
             spec = abstract[key[0]] if len(key) == 1 else abstract["layers"][key[1]]
             host = np.empty(spec.shape, _np_dtype(spec.dtype))
             for name, transposed, layer in entries:
-                t = read(name)
+                t = handles[files[name]].get_tensor(name)
                 t = t.T if transposed else t
-                want = spec.shape if layer is None else spec.shape[1:]
-                if t.shape != tuple(want):
-                    raise CheckpointFormatError(
-                        f"{files[name]}: tensor {name} has shape {list(t.shape)}"
-                        f"{' (transposed)' if transposed else ''}, the config implies {list(want)}"
-                    )
                 if layer is None:
                     host[...] = t.astype(host.dtype)
                 else:
@@ -216,17 +272,35 @@ def save_hf(
     dtype: the dtype on disk (default: the params' own). Tokenizer files found in
     `tokenizer_dir` are copied beside the weights. With several processes every one must call
     this (gathering a sharded parameter is collective); only the one with `write` writes.
+    `path` is replaced as a whole by atomic_dir.replace_dir: readers find the complete old model
+    or the complete new one (its docstring names the one gap where renameat2 is missing), and the
+    old directory's other files (a README, ...) are kept. A failed write raises
+    atomic_dir.AtomicDirError naming `path`, and leaves it as it was.
     """
     if not write:
         for _, make in _hf_tensors(cfg, params, dtype):
             make()
         return
-    os.makedirs(path, exist_ok=True)
-    for stale in os.listdir(path):
-        if stale.startswith("model") and stale.endswith(
-            (".safetensors", ".safetensors.index.json")
-        ):
-            os.remove(os.path.join(path, stale))
+    atomic_dir.replace_dir(
+        path,
+        lambda tmp: _write_hf(tmp, cfg, params, dtype, tokenizer_dir, max_shard_bytes),
+        superseded=_is_weights_file,
+    )
+
+
+def _is_weights_file(name: str) -> bool:
+    """Whether `name` is a weights file of an HF export (an old one's shards are not kept)."""
+    return name.startswith("model") and name.endswith((".safetensors", ".safetensors.index.json"))
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def _write_hf(path, cfg, params, dtype, tokenizer_dir, max_shard_bytes) -> None:
+    """save_hf's files, written into the empty directory `path`."""
     tensors = list(_hf_tensors(cfg, params, dtype))
     sizes = {
         name: int(np.prod(shape)) * np.dtype(dt).itemsize
@@ -252,17 +326,13 @@ def save_hf(
             file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
             save_file({n: thunks[n]() for n in names}, os.path.join(path, file), meta)
             weight_map.update({n: file for n in names})
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-            json.dump(
-                {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map},
-                f,
-                indent=2,
-            )
+        _write_json(
+            os.path.join(path, "model.safetensors.index.json"),
+            {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map},
+        )
     hf_cfg = cfg.to_hf_dict()
     hf_cfg["torch_dtype"] = _np_dtype(dtype or params["embed_tokens"].dtype).name
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_cfg, f, indent=2)
-        f.write("\n")
+    _write_json(os.path.join(path, "config.json"), hf_cfg)
     if tokenizer_dir:
         copy_tokenizer_files(tokenizer_dir, path)
 
@@ -287,6 +357,8 @@ def copy_tokenizer_files(src: str, dst: str) -> list[str]:
 def from_pretrained(path: str, **model_kwargs) -> Llama:
     """A Llama built from an HF model directory's config.json and safetensors."""
     cfg = ModelConfig.from_hf_dir(path)
+    dtype = model_kwargs.get("param_dtype", jnp.float32)
+    check_loadable(cfg, os.path.join(path, "config.json"), dtype, jax.devices()[0])
     graphdef, abstract, _ = abstract_model(cfg, **model_kwargs)
     return nnx.merge(graphdef, load_hf_params(path, cfg, abstract))
 
