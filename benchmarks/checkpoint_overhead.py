@@ -9,7 +9,9 @@ times, each step synchronized:
     holds the loop while orbax copies the state to host memory);
   - the steps that run while orbax writes the files in the background (median), i.e. the
     slowdown the write causes;
-  - the save's wall time, from the call until the checkpoint is complete on disk.
+  - the save's wall time, from the call until the checkpoint is complete on disk (the files'
+    checksums included: they are computed in the save's background thread);
+  - the checksums alone: writing files.json for the last save, and verifying it as a resume does.
 Prints a table; --out gets it as JSON too. Takes the trainer's flags (--model_dtype, --gpus,
 --zero_level, ...); checkpoints go to --checkpoint_dir (default under /tmp) and are deleted
 after. --smoke runs the tiny preset on CPU in seconds, to check the script itself.
@@ -36,6 +38,7 @@ from absl import app, flags
 from jaxllmq import config
 from jaxllmq.bench import build_from_flags
 from jaxllmq.checkpoint import Checkpointing
+from jaxllmq.checkpoint_files import verify, write_file_list
 from jaxllmq.model.config import load_model_config
 
 _normal_steps = flags.DEFINE_integer("normal_steps", 10, "Timed steps without a save.")
@@ -109,6 +112,16 @@ def main(argv: list[str]) -> None:
             }
         )
     ckpt.close()
+    # The checksums alone: what the save's background thread spends listing and hashing the files
+    # (page cache warm, as right after a write), and what a resume spends verifying them.
+    last = ckpt.path(saved_at)
+    t = time.perf_counter()
+    write_file_list(last)
+    checksum_s = time.perf_counter() - t
+    t = time.perf_counter()
+    problems = verify(last)
+    verify_s = time.perf_counter() - t
+    assert not problems, problems
     shutil.rmtree(directory, ignore_errors=True)
 
     base = statistics.median(normal)
@@ -121,6 +134,8 @@ def main(argv: list[str]) -> None:
         "model_dtype": spec.model_dtype,
         "normal_step_median_s": base,
         "saves": saves,
+        "checksum_s": checksum_s,
+        "verify_s": verify_s,
         "jax": jax.__version__,
     }
     ms = lambda s: f"{1000 * s:9.1f} ms"
@@ -135,6 +150,8 @@ def main(argv: list[str]) -> None:
             label = f"  steps while it writes (median of {s['steps_during']})"
             print(f"{label:<44}{ms(s['during_median_s'])}")
         print(f"{'  save wall time, call to complete on disk':<44}{ms(s['save_wall_s'])}")
+    print(f"{'checksums of the last save: write files.json':<44}{ms(checksum_s)}")
+    print(f"{'  verify them, as a resume does':<44}{ms(verify_s)}")
     if _out.value:
         os.makedirs(_out.value, exist_ok=True)
         with open(os.path.join(_out.value, "checkpoint_overhead.json"), "w") as f:

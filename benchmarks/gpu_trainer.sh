@@ -33,7 +33,26 @@ fi
 
 if want checkpoint; then
 echo "== async checkpoint overhead, 1B"
-python3 benchmarks/checkpoint_overhead.py 2>&1 | tail -14 | tee "$OUT/checkpoint.txt"
+python3 benchmarks/checkpoint_overhead.py 2>&1 | tail -16 | tee "$OUT/checkpoint.txt"
+echo "== the pretrain flagfile for 300 steps on random tokens: no checkpoints, then one every 100"
+mkdir -p /tmp/ckdata && python3 -c 'import numpy as np; from jaxllmq.data.shards import write_shard
+write_shard("/tmp/ckdata/train.bin", np.random.default_rng(0).integers(0, 128256, 5_000_000, dtype=np.int32), vocab_size=128256)'
+for every in 0 100; do
+  rm -rf /tmp/ckrun
+  python3 -m jaxllmq.main --flagfile=configs/llama-3.2-1b-pretrain.flags ${CADENCE_FLAGS:-} \
+    --train_file=/tmp/ckdata/train.bin --eval_file= --steps=300 --grad_accumulation=1 --warmup=30 --cooldown=100 \
+    --out_dir= --checkpoint_dir=/tmp/ckrun --ckpt_interval=$every --log_file="$OUT/cadence-$every.jsonl" \
+    > "$OUT/cadence-$every.txt" 2>&1 || { echo "exit $?"; tail -5 "$OUT/cadence-$every.txt"; }
+done
+python3 - "$OUT"/cadence-0.jsonl "$OUT"/cadence-100.jsonl <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    recs = [json.loads(line) for line in open(path)]
+    steps = [r for r in recs if r["log"] == "step" and r["step"] > 20]
+    saves = [r for r in recs if r["log"] == "checkpoint"]
+    tps = sum(r["tokens"] for r in steps) / sum(r["duration_ms"] / 1000 for r in steps)
+    print(f"{path}: {tps:,.0f} tokens/s over steps 21-{steps[-1]['step']} (wall), {len(saves)} saves")
+PY
 fi
 
 if want speed; then
