@@ -5,21 +5,16 @@ tracing): a run that passes may still run out of memory (activations, XLA's buff
 refused here could not have run.
 """
 
-import os
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from jaxllmq.model.config import ModelConfig, ModelConfigError
+from jaxllmq.xla_flags import host_memory_bytes
 
 GIB = 1024**3
 GRADIENT_DTYPE = "float32"  # the train step accumulates gradients in float32 (train.py)
-
-
-def host_memory_bytes() -> int:
-    """This host's physical memory."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def device_memory_bytes(devices: Sequence[jax.Device]) -> int | None:

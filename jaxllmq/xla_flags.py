@@ -36,11 +36,16 @@ def with_defaults(xla_flags: str, defaults: dict[str, str] = DEFAULTS) -> str:
 HOST_MEMORY_LIMIT = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 
 
+def host_memory_bytes() -> int:
+    """This host's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def host_memory_limit_gb() -> int:
     """The pinned host memory pool jaxllmq asks for, per GPU (each GPU has its own): 3/4 of
     physical memory shared by the host's GPUs, in GB. Every GPU of the host counts, not only this
     process's: with one process per GPU, each process sees one GPU but shares the memory."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    total = host_memory_bytes()
     gpus = len(glob.glob("/dev/nvidia[0-9]*"))
     if not gpus and os.environ.get("CUDA_VISIBLE_DEVICES"):
         gpus = len(os.environ["CUDA_VISIBLE_DEVICES"].split(","))
