@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllmq.model.config import preset
+from jaxllmq.model.architecture import preset
 from jaxllmq.model.llama import Llama, abstract_model, params_of
 
 

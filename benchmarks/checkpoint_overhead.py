@@ -39,7 +39,7 @@ from jaxllmq import config
 from jaxllmq.bench import build_from_flags
 from jaxllmq.checkpoint import Checkpointing
 from jaxllmq.checkpoint_files import verify, write_file_list
-from jaxllmq.model.config import load_model_config
+from jaxllmq.model.architecture import load_model_config
 
 _normal_steps = flags.DEFINE_integer("normal_steps", 10, "Timed steps without a save.")
 _saves = flags.DEFINE_integer("saves", 2, "Checkpoints to time (one after another).")

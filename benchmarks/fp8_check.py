@@ -34,7 +34,7 @@ from absl import app, flags
 
 from jaxllmq import config
 from jaxllmq.bench import build_from_flags, start_from_flags
-from jaxllmq.model.config import ModelConfig
+from jaxllmq.model.architecture import ModelConfig
 
 _hlo_dir = flags.DEFINE_string("hlo_dir", None, "Write the lowered and optimized HLO text here.")
 _allow_triton = flags.DEFINE_bool(

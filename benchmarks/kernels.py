@@ -23,12 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllmq.kernels import lm_head_mgpu
-from jaxllmq.kernels.cross_entropy import lm_head_loss, lm_head_loss_reference
 from jaxllmq.kernels.fp8_quantize import (
     Fp8QuantizeConfig,
     quantize_both_pallas,
     quantize_both_reference,
 )
+from jaxllmq.kernels.lm_head_loss import lm_head_loss, lm_head_loss_reference
 from jaxllmq.kernels.lm_head_pallas import LmHeadPallasConfig, lm_head_tiles
 from jaxllmq.kernels.rms_norm import (
     RmsNormConfig,

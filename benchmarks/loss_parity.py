@@ -6,7 +6,7 @@ on the same batches with the same AdamW; their per-step losses are compared agai
 
 Each side runs in its own process (--side=jax, then --side=peer; the default --side=both starts
 them), so JAX's GPU memory preallocation and torch never share a device. The jax side builds the
-preset through train.build (the trainer's and jaxllmq.bench's code path), exports its initial
+preset through train_step.build (the trainer's and jaxllmq.bench's code path), exports its initial
 weights with jaxllmq.model.hf.save_hf and lists the HF tensors its AdamW decays; the peer loads
 that directory with transformers (sdpa attention, torch.compile on GPU as benchmarks/peer_torch.py)
 and decays exactly those tensors. The data is a fixed sparse Markov chain (learnable, so the loss
@@ -79,11 +79,11 @@ def run_jax(
     xla_flags.apply_defaults()  # before jax starts its backend, as jaxllmq.bench does
     import jax
 
-    from jaxllmq import train
+    from jaxllmq import train_step
     from jaxllmq.config import ModelSpec
     from jaxllmq.data.pipeline import to_global_arrays
     from jaxllmq.model import hf
-    from jaxllmq.model.config import preset
+    from jaxllmq.model.architecture import preset
     from jaxllmq.optim import OptimConfig, decay_mask
     from jaxllmq.parallel.mesh import make_mesh
 
@@ -104,7 +104,7 @@ def run_jax(
         opt_m_dtype=dtype,  # torch keeps AdamW's moments in the parameters' dtype
         opt_v_dtype=dtype,
     )
-    built = train.build(
+    built = train_step.build(
         cfg, spec, optim, mesh=make_mesh(1), total_steps=steps, seed=seed, kernels=kernels
     )
     hf.save_hf(hf_dir, cfg, built.state.params)
@@ -274,7 +274,7 @@ def main() -> None:
         with open(os.path.join(args.workdir, "peer.json"), "w") as f:
             json.dump(out, f)
         return
-    from jaxllmq.model.config import preset
+    from jaxllmq.model.architecture import preset
 
     temp = not args.workdir
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="loss_parity_")

@@ -13,10 +13,10 @@ import sys
 import jax
 from absl import app, flags
 
-from jaxllmq import train, xla_flags
+from jaxllmq import train_step, xla_flags
 from jaxllmq.bench import synthetic_batch
 from jaxllmq.config import ModelSpec
-from jaxllmq.model.config import load_model_config
+from jaxllmq.model.architecture import load_model_config
 from jaxllmq.model.recompute import Recompute
 from jaxllmq.offload import Offload
 from jaxllmq.optim import OptimConfig
@@ -45,7 +45,7 @@ def main(argv: list[str]) -> None:
     base = None
     for name, kw in SWITCHES.items():
         spec = ModelSpec(model=model, from_scratch=True, matmul_dtype=matmul, **kw)
-        built = train.build(cfg, spec, optim, mesh=make_mesh(1), total_steps=10, seed=0)
+        built = train_step.build(cfg, spec, optim, mesh=make_mesh(1), total_steps=10, seed=0)
         b = jax.device_put(batch, built.batch_sharding)
         hlo = built.train_step.lower(built.state, b).compile().as_text()
         state, losses = built.state, []

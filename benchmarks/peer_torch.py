@@ -15,7 +15,7 @@ import time
 import torch
 import transformers
 
-from jaxllmq.model.config import preset
+from jaxllmq.model.architecture import preset
 
 
 def main() -> None:

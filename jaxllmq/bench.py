@@ -4,7 +4,7 @@
     python -m jaxllmq.bench --flagfile=configs/llama-3.2-1b-pretrain.flags --bench_steps=30
 
 Takes the trainer's flags (the same flagfiles work; --train_file is not needed) and builds the
-state and step through train.build, the code path a training run uses.
+state and step through train_step.build, the code path a training run uses.
 """
 
 import json
@@ -20,11 +20,11 @@ import numpy as np
 from absl import app, flags
 from jax.experimental.profiler import get_profiled_instructions_proto
 
-from jaxllmq import config, profile, train, xla_flags
+from jaxllmq import config, profile, train_step, xla_flags
 from jaxllmq.data.pipeline import to_global_arrays
 from jaxllmq.kernels import parse_kernels
 from jaxllmq.log import PEAK_FLOPS_BF16
-from jaxllmq.model.config import PRESETS, ModelConfig, load_model_config
+from jaxllmq.model.architecture import PRESETS, ModelConfig, load_model_config
 from jaxllmq.parallel.mesh import TENSOR, MeshError, initialize_distributed, make_mesh
 
 _bench_steps = flags.DEFINE_integer("bench_steps", 20, "Timed steps.", lower_bound=1)
@@ -96,13 +96,13 @@ def build_synthetic(
     zero_level: int = 1,
     kernels: str = "auto",
     lmhead_chunks: int = 1,
-) -> tuple[train.Compiled, dict]:
+) -> tuple[train_step.ModelOnMesh, dict]:
     """The state and steps as a training run builds them, and a synthetic batch on the mesh.
 
     batch_size is per data-parallel device; each process supplies its own rows, as the data
     pipeline does.
     """
-    built = train.build(
+    built = train_step.build(
         model_cfg,
         spec,
         optim,
@@ -122,7 +122,7 @@ def build_synthetic(
 
 def build_from_flags(
     model_cfg: ModelConfig, spec: config.ModelSpec, mesh_cfg: config.MeshConfig
-) -> tuple[train.Compiled, dict, jax.sharding.Mesh]:
+) -> tuple[train_step.ModelOnMesh, dict, jax.sharding.Mesh]:
     """build_synthetic on the flags' mesh with their optimizer, batch shape, ZeRO level, kernels
     and LM-head chunks (for the benchmark tools that take the trainer's flags); and the mesh."""
     F = flags.FLAGS
@@ -171,7 +171,7 @@ def _user_input(read, *args):
         sys.exit(f"error: {e}")
 
 
-def profile_guided(built: train.Compiled, state, batch, step, steps: int):
+def profile_guided(built: train_step.ModelOnMesh, state, batch, step, steps: int):
     """(state, step compiled again with `steps` traced steps' measured op times as XLA's
     latency estimates). The latency-hiding scheduler otherwise estimates collectives from link
     speeds alone, which misses how much slower they run beside GEMMs."""
@@ -281,7 +281,7 @@ def run_bench(
         "deterministic": spec.deterministic,
         "recompute": list(spec.recompute.names()) + (["block"] if spec.recompute.block else []),
         "kernels": kernels,
-        "kernels_used": train.kernel_choices(kernels, mesh),  # what auto resolved to here
+        "kernels_used": train_step.kernel_choices(kernels, mesh),  # what auto resolved to here
         "lmhead_chunks": lmhead_chunks,
         "pgle_steps": pgle_steps,
         "tokens_per_s": tokens_per_s,

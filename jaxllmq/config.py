@@ -10,7 +10,7 @@ from absl import flags, logging
 
 from jaxllmq.data.shards import expand_files
 from jaxllmq.kernels import parse_kernels
-from jaxllmq.model.config import PRESETS, ModelConfig
+from jaxllmq.model.architecture import PRESETS, ModelConfig
 from jaxllmq.model.recompute import Recompute
 from jaxllmq.offload import Offload
 from jaxllmq.optim import OptimConfig

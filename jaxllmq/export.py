@@ -19,7 +19,7 @@ from jaxllmq import checkpoint_files, runlock
 from jaxllmq.atomic_dir import AtomicDirError
 from jaxllmq.memory import check_loadable
 from jaxllmq.model import ModelConfigError, hf
-from jaxllmq.model.config import ModelConfig
+from jaxllmq.model.architecture import ModelConfig
 from jaxllmq.model.llama import abstract_model
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

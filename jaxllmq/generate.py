@@ -28,7 +28,7 @@ from jaxllmq import checkpoint_files
 from jaxllmq.export import load_checkpoint, tokenizer_dir
 from jaxllmq.kernels.rms_norm import rms_norm
 from jaxllmq.model import CheckpointFormatError, ModelConfigError, hf
-from jaxllmq.model.config import ModelConfig
+from jaxllmq.model.architecture import ModelConfig
 from jaxllmq.model.llama import apply_rope, params_of, rope_cos_sin
 
 

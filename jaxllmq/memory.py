@@ -10,11 +10,11 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxllmq.model.config import ModelConfig, ModelConfigError
+from jaxllmq.model.architecture import ModelConfig, ModelConfigError
 from jaxllmq.xla_flags import host_memory_bytes
 
 GIB = 1024**3
-GRADIENT_DTYPE = "float32"  # the train step accumulates gradients in float32 (train.py)
+GRADIENT_DTYPE = "float32"  # the train step accumulates gradients in float32 (train_step.py)
 
 
 def device_memory_bytes(devices: Sequence[jax.Device]) -> int | None:

@@ -21,12 +21,12 @@ from jaxllmq.export import tokenizer_dir
 from jaxllmq.generate import GenerateError, Sampler
 from jaxllmq.log import PEAK_FLOPS_BF16, RunLog
 from jaxllmq.model import hf
-from jaxllmq.model.config import load_model_config
+from jaxllmq.model.architecture import load_model_config
 from jaxllmq.optim import NonFiniteError, check_nonfinite, lr_schedule
 from jaxllmq.parallel.mesh import make_mesh, replicated
 from jaxllmq.preemption import Preemption
 from jaxllmq.telemetry import Nvml, device_records
-from jaxllmq.train import Batch, build, kernel_choices
+from jaxllmq.train_step import Batch, build, kernel_choices
 
 
 def check_output_dirs(cfg: TrainConfig) -> None:

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 from jaxllmq import config, memory
 from jaxllmq.data.shards import write_shard
 from jaxllmq.model import hf
-from jaxllmq.model.config import PRESETS, ModelConfig, ModelConfigError
+from jaxllmq.model.architecture import PRESETS, ModelConfig, ModelConfigError
 from jaxllmq.model.llama import abstract_model
 
 GIB = 1024**3

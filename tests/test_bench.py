@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from jaxllmq import bench, train
+from jaxllmq import bench, train_step
 from jaxllmq.config import ModelSpec
 from jaxllmq.kernels import KERNELS
-from jaxllmq.model.config import preset
+from jaxllmq.model.architecture import preset
 from jaxllmq.optim import OptimConfig
 from jaxllmq.parallel.mesh import make_mesh
 
@@ -45,8 +45,8 @@ def test_bench_reports_throughput_and_a_falling_loss():
 
 def test_kernel_choices_keep_the_fp8_quantize_in_xla_under_tensor_parallelism():
     # Pallas asked for: per device on a data/ZeRO mesh; tensor parallelism splits the columns.
-    assert train.kernel_choices("pallas", make_mesh(8)) == dict.fromkeys(KERNELS, "pallas")
-    with_tp = train.kernel_choices("pallas", make_mesh(8, tensor_parallel=2))
+    assert train_step.kernel_choices("pallas", make_mesh(8)) == dict.fromkeys(KERNELS, "pallas")
+    with_tp = train_step.kernel_choices("pallas", make_mesh(8, tensor_parallel=2))
     assert with_tp == {"rms_norm": "pallas", "lm_head_loss": "pallas", "fp8_quantize": "xla"}
 
 

@@ -25,7 +25,7 @@ from safetensors.numpy import load_file
 from jaxllmq import checkpoint, checkpoint_files, resume_rules
 from jaxllmq.config import CheckpointConfig, ConfigError
 from jaxllmq.data.shards import write_shard
-from jaxllmq.model.config import preset
+from jaxllmq.model.architecture import preset
 
 SEQ = 16
 WINDOWS = 56  # 3 steps per epoch of 16 rows (8 x grad_accumulation 2): step 4 is mid-epoch

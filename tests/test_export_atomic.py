@@ -13,7 +13,7 @@ import pytest
 
 from jaxllmq import atomic_dir
 from jaxllmq.model import hf
-from jaxllmq.model.config import PRESETS, ModelConfig
+from jaxllmq.model.architecture import PRESETS, ModelConfig
 from jaxllmq.model.llama import abstract_model
 
 CFG = dataclasses.replace(

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from test_checkpoint import run_module
 
-from jaxllmq import checkpoint, checkpoint_files, resume_rules, train
+from jaxllmq import checkpoint, checkpoint_files, resume_rules, train_step
 from jaxllmq.config import CheckpointConfig, ConfigError, ModelSpec
 from jaxllmq.data.shards import write_shard
 from jaxllmq.kernels.rms_norm import rms_norm
 from jaxllmq.model import fp8, fp8_delayed
-from jaxllmq.model.config import preset
+from jaxllmq.model.architecture import preset
 from jaxllmq.model.llama import Llama, abstract_model, params_of
 from jaxllmq.optim import OptimConfig, lr_schedule, make_optimizer
 
@@ -110,7 +110,7 @@ def test_linear_fn_picks_matmul_or_fp8():
     with pytest.raises(ValueError, match="e4m2"):
         fp8.linear_fn("e4m3", "e4m2")
     with pytest.raises(ValueError, match="bf16"):
-        Llama(CFG, rngs=train.nnx.Rngs(0), linear_dtype="bf16")
+        Llama(CFG, rngs=train_step.nnx.Rngs(0), linear_dtype="bf16")
 
 
 def _step(
@@ -131,12 +131,12 @@ def _step(
         linear_dtype=linear_dtype,
         gradient_dtype=gradient_dtype,
     )
-    params = params_of(Llama(cfg, rngs=train.nnx.Rngs(0)))
+    params = params_of(Llama(cfg, rngs=train_step.nnx.Rngs(0)))
     opt = make_optimizer(optim, 1000, axes)
     L = cfg.num_hidden_layers
     history = fp8_delayed.init_history(L, 4, params["layers"], jnp.bfloat16) if delayed else {}
-    state = train.TrainState(jnp.zeros((), jnp.int32), params, opt.init(params), history)
-    step = jax.jit(train.make_train_step(graphdef, opt, lr_schedule(optim, 1000)))
+    state = train_step.TrainState(jnp.zeros((), jnp.int32), params, opt.init(params), history)
+    step = jax.jit(train_step.make_train_step(graphdef, opt, lr_schedule(optim, 1000)))
     return state, step, graphdef
 
 
@@ -172,7 +172,9 @@ def test_train_step_runs_exactly_the_block_linears_in_fp8(scan, delayed):
     assert any(re.search(rf"x{cfg.vocab_size}xbf16>", d) for d in dots)
 
 
-def _assert_recorded(before: train.TrainState, after: train.TrainState, batch: dict) -> None:
+def _assert_recorded(
+    before: train_step.TrainState, after: train_step.TrainState, batch: dict
+) -> None:
     """after's amax histories are before's shifted by one, the newest the step's amaxes."""
     for kind, histories in before.fp8.items():
         for name, h_LxA in histories.items():
@@ -209,7 +211,7 @@ def test_fp8_training_reaches_the_bf16_loss():
         state, _ = step(state, data[-1])
         if delayed:
             _assert_recorded(before, state, data[-1])
-        ce, tokens = jax.jit(train.make_eval_step(graphdef))(state.params, eval_batch)
+        ce, tokens = jax.jit(train_step.make_eval_step(graphdef))(state.params, eval_batch)
         finals[linear, delayed] = float(ce) / int(tokens)
     bf16 = finals[None, False]
     assert bf16 < 2.6, finals  # it learned
@@ -275,7 +277,7 @@ def test_histories_survive_a_checkpoint_and_old_checkpoints_still_restore(tmp_pa
     history = fp8_delayed.record(empty, amax)
 
     def state(fp8_state, k=1.0):
-        return train.TrainState(
+        return train_step.TrainState(
             jnp.asarray(int(k), jnp.int32), {"w": jnp.full((3,), k)}, {"m": jnp.zeros(3)}, fp8_state
         )
 
@@ -333,7 +335,7 @@ def test_fp8_run_resumes_bit_exactly(tmp_path):
     # and differ). Current scaling keeps no state, so its checkpoints are a bf16 run's.
     rng = np.random.default_rng(0)
     write_shard(
-        tmp_path / "train.bin", rng.integers(0, 256, 20 * 17, dtype=np.int32), vocab_size=256
+        tmp_path / "train_step.bin", rng.integers(0, 256, 20 * 17, dtype=np.int32), vocab_size=256
     )
     out = str(tmp_path)
 
@@ -341,7 +343,7 @@ def test_fp8_run_resumes_bit_exactly(tmp_path):
         return [
             "--model=tiny",
             "--from_scratch",
-            f"--train_file={out}/train.bin",
+            f"--train_file={out}/train_step.bin",
             "--seq_len=16",
             "--gpus=1",
             "--batch_size=4",

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxllmq.model.config import PRESETS, ModelConfig, ModelConfigError, RopeScaling, preset
+from jaxllmq.model.architecture import PRESETS, ModelConfig, ModelConfigError, RopeScaling, preset
 from jaxllmq.model.llama import Llama, abstract_model, params_of
 
 REAL_COUNTS = {

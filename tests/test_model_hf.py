@@ -13,7 +13,7 @@ from hf_models import hf_logits, tiny_llama, tiny_qwen2
 from safetensors.numpy import load_file, save_file
 
 from jaxllmq.model import hf
-from jaxllmq.model.config import ModelConfig, ModelConfigError
+from jaxllmq.model.architecture import ModelConfig, ModelConfigError
 from jaxllmq.model.llama import abstract_model, params_of
 
 

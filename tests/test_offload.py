@@ -12,10 +12,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxllmq import checkpoint, checkpoint_files, train
+from jaxllmq import checkpoint, checkpoint_files, train_step
 from jaxllmq.bench import synthetic_batch
 from jaxllmq.config import CheckpointConfig, ModelSpec
-from jaxllmq.model.config import preset
+from jaxllmq.model.architecture import preset
 from jaxllmq.model.recompute import Recompute
 from jaxllmq.offload import HOST, Offload, OffloadError, check_supported
 from jaxllmq.optim import OptimConfig
@@ -27,15 +27,17 @@ BATCH = synthetic_batch(CFG, 2, 8, 32, seed=7)
 ALL = Offload(master=True, opt_m=True, opt_v=True)
 
 
-def _build(gpus: int = 1, zero_level: int = 1, **spec) -> train.Compiled:
+def _build(gpus: int = 1, zero_level: int = 1, **spec) -> train_step.ModelOnMesh:
     spec = ModelSpec(model="tiny", from_scratch=True, **spec)
-    return train.build(
+    return train_step.build(
         CFG, spec, OPTIM, mesh=make_mesh(gpus), total_steps=10, seed=0, kernels="xla",
         zero_level=zero_level,
     )  # fmt: skip
 
 
-def _train(built: train.Compiled, steps: int = 2, state=None, step=None) -> tuple[list, object]:
+def _train(
+    built: train_step.ModelOnMesh, steps: int = 2, state=None, step=None
+) -> tuple[list, object]:
     # A copy of the initial state: the step donates its input, and a built model serves twice.
     state = state or jax.tree.map(lambda x: x.copy(), built.state)
     losses, step = [], step or built.train_step
@@ -61,7 +63,7 @@ def reference() -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def offloaded() -> train.Compiled:
+def offloaded() -> train_step.ModelOnMesh:
     return _build(offload=ALL)
 
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxllmq import train
+from jaxllmq import train_step
 from jaxllmq.bench import synthetic_batch
 from jaxllmq.config import ModelSpec
-from jaxllmq.model.config import preset
+from jaxllmq.model.architecture import preset
 from jaxllmq.optim import OptimConfig
 from jaxllmq.parallel import rules
 from jaxllmq.parallel.mesh import make_mesh
@@ -21,9 +21,11 @@ SPEC = ModelSpec(model="tiny", from_scratch=True, matmul_dtype="float32")
 OPTIM = OptimConfig(lr=3e-3, weight_decay=0.1, adam_epsilon=1e-6)
 
 
-def _build(gpus: int, zero_level: int = 1, tp: int = 1, kernels: str = "xla") -> train.Compiled:
+def _build(
+    gpus: int, zero_level: int = 1, tp: int = 1, kernels: str = "xla"
+) -> train_step.ModelOnMesh:
     mesh = make_mesh(gpus, tensor_parallel=tp)
-    return train.build(
+    return train_step.build(
         CFG, SPEC, OPTIM, mesh=mesh, total_steps=10, seed=0, kernels=kernels, zero_level=zero_level
     )
 
@@ -48,11 +50,11 @@ def test_each_level_shards_what_it_promises(zero_level, tp, params, opt):
         q = built.state.params["layers"]["q_proj"]
         assert q.sharding.spec[-1] == "tensor"  # heads split over the tensor axis
     # q/k/v's input gradient is one GEMM unless tensor parallelism splits their heads.
-    assert train.nnx.merge(built.graphdef, built.state.params).fuse_qkv_grads == (tp == 1)
+    assert train_step.nnx.merge(built.graphdef, built.state.params).fuse_qkv_grads == (tp == 1)
 
 
 def test_gradients_shard_from_zero_2():
-    _, abstract, axes = train.abstract_model(CFG)
+    _, abstract, axes = train_step.abstract_model(CFG)
     mesh = make_mesh(8)
     for level, expect in [(1, 1.0), (2, 1 / 8), (3, 1 / 8)]:
         grads = rules.shardings(axes, abstract, rules.plan(level).grads, mesh)
@@ -88,7 +90,7 @@ def test_the_updated_weights_are_gathered_on_a_new_leading_axis(src, dst, gather
 @pytest.mark.parametrize("gpus, tp", [(2, 1), (4, 2), (8, 1)])
 def test_zero_1_splits_the_optimizer_state_on_leading_dims(gpus, tp):
     """Layers (2 here) where the fsdp size divides them, else embed; the embedding by vocab."""
-    _, abstract, axes = train.abstract_model(CFG)
+    _, abstract, axes = train_step.abstract_model(CFG)
     mesh = make_mesh(gpus, tensor_parallel=tp)
     opt = rules.shardings(axes, abstract, rules.plan(1).opt, mesh)
     fsdp_dim = lambda spec: list(spec).index("fsdp")  # gate_proj: [L, embed, mlp]
@@ -115,7 +117,7 @@ def test_compiled_memory_falls_with_the_level():
 BATCHES = [synthetic_batch(CFG, 2, 8, 32, seed=7)] * 4
 
 
-def _losses(built: train.Compiled) -> np.ndarray:
+def _losses(built: train_step.ModelOnMesh) -> np.ndarray:
     state, out = built.state, []
     for b in BATCHES:
         state, m = built.train_step(state, jax.device_put(b, built.batch_sharding))
@@ -148,7 +150,7 @@ def test_pallas_loss_runs_per_device_and_trains_the_same(one_device_losses, impl
 
 def test_embedding_backward_gathers_the_tokens_gradients():
     """Below the size rule the table's dense [V, D] gradient is never all-reduced: the tokens'
-    gradients [B, T, D] are all-gathered instead (train.gather_embed_below, Llama.embed)."""
+    gradients [B, T, D] are all-gathered instead (train_step.gather_embed_below, Llama.embed)."""
     built = _build(8, 1)
     batch = jax.device_put(BATCHES[0], built.batch_sharding)
     hlo = built.train_step.lower(built.state, batch).compile().as_text()
@@ -157,10 +159,10 @@ def test_embedding_backward_gathers_the_tokens_gradients():
     gathered = " ".join(re.findall(r"= (.*?) all-gather(?:-start)?\(", hlo))
     assert f"[{V},{D}]" not in reduced and f"[{D},{V}]" in reduced  # the untied head's is
     assert f"[8,32,{D}]" in gathered
-    assert train.gather_embed_below(V, make_mesh(8), 1) == 2 * V
-    assert train.gather_embed_below(V, make_mesh(8), 3) == V
-    assert train.gather_embed_below(V, make_mesh(1), 1) == 0
-    assert train.gather_embed_below(V, make_mesh(8, tensor_parallel=2), 1) == 0
+    assert train_step.gather_embed_below(V, make_mesh(8), 1) == 2 * V
+    assert train_step.gather_embed_below(V, make_mesh(8), 3) == V
+    assert train_step.gather_embed_below(V, make_mesh(1), 1) == 0
+    assert train_step.gather_embed_below(V, make_mesh(8, tensor_parallel=2), 1) == 0
 
 
 def test_xla_loss_runs_per_device_without_tensor_parallelism():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxllmq.model.config import preset
+from jaxllmq.model.architecture import preset
 from jaxllmq.model.llama import Llama, abstract_model, params_of
 from jaxllmq.model.recompute import Recompute
 

@@ -29,7 +29,7 @@ AUTO_HOPPER = {**AUTO_GPU, "lm_head_loss": "mosaic"}
 AUTO_MULTI_GPU = {"rms_norm": "xla"}
 # Under tensor parallelism the head's vocab and the linears' columns are split: the per-device
 # loss would gather the head and repeat each token's loss on every tensor rank, and the quantize
-# pass's scales would span the split columns (train.kernel_choices keeps it in XLA even if asked).
+# pass's scales would span the split columns (train_step.kernel_choices keeps it in XLA even if asked).
 AUTO_TENSOR_PARALLEL = dict.fromkeys(KERNELS, "xla")
 
 
@@ -79,9 +79,9 @@ def resolve_impl(
     (AUTO_GPU, or AUTO_HOPPER where `hopper`, default is_hopper()); on several, the same but
     for AUTO_MULTI_GPU's entries, and AUTO_TENSOR_PARALLEL's where `tensor_parallel` > 1.
     A Pallas call has no SPMD partitioning rule: on several devices the LM-head loss and the fp8
-    quantize pass run per device inside shard_map (train.build ->
-    cross_entropy.lm_head_loss_sharded, fp8_quantize.Quantizer; the quantize pass stays in XLA
-    under tensor parallelism, train.kernel_choices); the RMSNorm call is not wrapped, so XLA
+    quantize pass run per device inside shard_map (train_step.build ->
+    lm_head_loss.lm_head_loss_sharded, fp8_quantize.Quantizer; the quantize pass stays in XLA
+    under tensor parallelism, train_step.kernel_choices); the RMSNorm call is not wrapped, so XLA
     gathers its operands.
     """
     if kernel not in KERNELS:

@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 
 from jaxllmq import atomic_dir
 from jaxllmq.memory import check_loadable
-from jaxllmq.model.config import ModelConfig
+from jaxllmq.model.architecture import ModelConfig
 from jaxllmq.model.llama import Llama, abstract_model, params_of
 
 # Our parameter path -> (HF tensor name, stored transposed). HF stores Linear weights [out, in],

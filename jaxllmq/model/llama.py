@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxllmq.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_tee
 from jaxllmq.model import fp8, fp8_delayed
-from jaxllmq.model.config import ModelConfig, rope_inv_freq
+from jaxllmq.model.architecture import ModelConfig, rope_inv_freq
 from jaxllmq.model.recompute import ATT, FFN, NORM, QKV, RESID, SWIGLU, Recompute
 
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")

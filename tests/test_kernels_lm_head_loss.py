@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllmq.kernels.cross_entropy import lm_head_loss, lm_head_loss_reference
+from jaxllmq.kernels.lm_head_loss import lm_head_loss, lm_head_loss_reference
 from jaxllmq.kernels.lm_head_mgpu import MosaicTiles
 from jaxllmq.kernels.lm_head_pallas import LmHeadPallasConfig
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from hf_models import tiny_llama
 
-from jaxllmq import train
+from jaxllmq import train_step
 from jaxllmq.model import hf
-from jaxllmq.model.config import preset
+from jaxllmq.model.architecture import preset
 from jaxllmq.model.llama import Llama, abstract_model, params_of
 from jaxllmq.optim import OptimConfig, lr_schedule, make_optimizer
 
@@ -22,12 +22,12 @@ SMALL = dataclasses.replace(preset("tiny"), num_hidden_layers=2, vocab_size=512)
 def _setup(seed: int = 0, optim: OptimConfig | None = None, cfg=SMALL):
     optim = optim or OptimConfig(lr=1e-3, weight_decay=0.1, grad_clip=1.0)
     graphdef, _, axes = abstract_model(cfg)
-    params = params_of(Llama(cfg, rngs=train.nnx.Rngs(seed)))
+    params = params_of(Llama(cfg, rngs=train_step.nnx.Rngs(seed)))
     opt = make_optimizer(optim, 10, axes)
-    state = train.TrainState(
+    state = train_step.TrainState(
         step=jnp.zeros((), jnp.int32), params=params, opt_state=opt.init(params)
     )
-    step = jax.jit(train.make_train_step(graphdef, opt, lr_schedule(optim, 10)))
+    step = jax.jit(train_step.make_train_step(graphdef, opt, lr_schedule(optim, 10)))
     return state, step
 
 
@@ -81,14 +81,14 @@ def test_masked_tokens_contribute_nothing():
 
 
 def test_nonfinite_loss_is_skipped_and_counted(monkeypatch):
-    real = train.lm_head_loss
+    real = train_step.lm_head_loss
 
     def poisoned(h, w, targets, mask, **kw):
         obj, aux = real(h, w, targets, mask, **kw)
         # Token 0 at the first target position poisons the objective (and so the gradients).
         return obj * jnp.where(targets[0] == 0, jnp.nan, 1.0), aux
 
-    monkeypatch.setattr(train, "lm_head_loss", poisoned)
+    monkeypatch.setattr(train_step, "lm_head_loss", poisoned)
     rng = np.random.default_rng(0)
     good = _batch(rng, 1, 2, 16, SMALL.vocab_size)
     good["targets"][0, 0, 0] = 1
@@ -114,7 +114,7 @@ def test_finetune_starts_at_the_loss_transformers_computes(tmp_path):
     rng = np.random.default_rng()
     batch = _batch(rng, 1, 2, 24, model.cfg.vocab_size)
     batch["loss_mask"][:] = True
-    ce, tokens = jax.jit(train.make_eval_step(graphdef))(params_of(model), batch)
+    ce, tokens = jax.jit(train_step.make_eval_step(graphdef))(params_of(model), batch)
     # HF shifts labels itself: the whole window as both input and labels is our (inputs, targets).
     window = np.concatenate([batch["inputs"][0], batch["targets"][0][:, -1:]], axis=1)
     with torch.no_grad():
@@ -154,11 +154,11 @@ def test_pallas_kernels_and_chunked_loss_match_xla_in_the_step(lmhead_chunks):
     for impl in ("xla", "pallas"):
         optim = OptimConfig(lr=1e-3, adam_epsilon=1e-4)
         graphdef, _, axes = abstract_model(cfg, norm_impl=impl)
-        params = params_of(Llama(cfg, rngs=train.nnx.Rngs(0)))
+        params = params_of(Llama(cfg, rngs=train_step.nnx.Rngs(0)))
         opt = make_optimizer(optim, 10, axes)
-        state = train.TrainState(jnp.zeros((), jnp.int32), params, opt.init(params))
-        loss = train.LmHeadLoss(impl, lmhead_chunks)
-        step = train.make_train_step(graphdef, opt, lr_schedule(optim, 10), loss=loss)
+        state = train_step.TrainState(jnp.zeros((), jnp.int32), params, opt.init(params))
+        loss = train_step.LmHeadLoss(impl, lmhead_chunks)
+        step = train_step.make_train_step(graphdef, opt, lr_schedule(optim, 10), loss=loss)
         results.append(jax.jit(step)(state, batch))
     (s_xla, m_xla), (s_pal, m_pal) = results
     assert abs(float(m_xla["loss"]) - float(m_pal["loss"])) < 1e-5

@@ -17,10 +17,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllmq.config import ModelSpec
 from jaxllmq.kernels import KERNELS, resolve_impl
-from jaxllmq.kernels.cross_entropy import lm_head_loss, lm_head_loss_sharded
 from jaxllmq.kernels.fp8_quantize import Quantizer
+from jaxllmq.kernels.lm_head_loss import lm_head_loss, lm_head_loss_sharded
 from jaxllmq.model import fp8_delayed, hf
-from jaxllmq.model.config import ModelConfig
+from jaxllmq.model.architecture import ModelConfig
 from jaxllmq.model.llama import Llama, abstract_model, params_of
 from jaxllmq.offload import Streams, check_supported, place_opt, place_params
 from jaxllmq.optim import (
@@ -230,7 +230,7 @@ def init_params(
 
 
 @dataclasses.dataclass
-class Compiled:
+class ModelOnMesh:
     """A model's state on the mesh and the jitted steps over it."""
 
     graphdef: nnx.GraphDef
@@ -285,7 +285,7 @@ def build(
     kernels: str = "auto",
     lmhead_chunks: int = 1,
     zero_level: int = 1,
-) -> Compiled:
+) -> ModelOnMesh:
     """Initialize (or import) the parameters and optimizer on the mesh; jit the steps.
 
     Shardings come from the ZeRO level's tables (parallel/rules.py). The training run and the
@@ -411,4 +411,4 @@ def build(
         out_shardings=rep,
     )
     weights = jax.jit(streams.compute_params) if streams is not None else (lambda p: p)
-    return Compiled(graphdef, axes, state, train_step, eval_step, data_sharding, weights)
+    return ModelOnMesh(graphdef, axes, state, train_step, eval_step, data_sharding, weights)
