@@ -49,7 +49,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -74,9 +74,7 @@ from jaxllmq.checkpoint_files import (
     write_file_list,
 )
 from jaxllmq.resume_rules import check_resume
-
-if TYPE_CHECKING:  # config.py defines the trainer's flags; the export CLI has its own
-    from jaxllmq.config import CheckpointConfig
+from jaxllmq.settings import CheckpointConfig
 
 
 class CheckpointSaveError(CheckpointError):

@@ -27,17 +27,31 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxllmq.setting import Settings, setting
+
 HOST, DEVICE = "pinned_host", "device"
 LAYERS = "layers"  # the params' key for the per-layer weights, stacked on a leading [L] axis
 
 
 @dataclasses.dataclass(frozen=True)
-class Offload:
-    """Which parts of the train state live in pinned host memory (field names = the flags')."""
+class Offload(Settings):
+    """Which parts of the train state live in pinned host memory."""
 
-    master: bool = False  # --offload_master: the parameters (master weights)
-    opt_m: bool = False  # --offload_opt_m: Adam's first moment
-    opt_v: bool = False  # --offload_opt_v: Adam's second moment
+    master: bool = setting(
+        False,
+        "Keep the master weights in pinned host memory, streamed in layer by layer.",
+        flag="offload_master",
+    )
+    opt_m: bool = setting(
+        False,
+        "Keep AdamW's first moment in pinned host memory, streamed for the update.",
+        flag="offload_opt_m",
+    )
+    opt_v: bool = setting(
+        False,
+        "Keep AdamW's second moment in pinned host memory, streamed for the update.",
+        flag="offload_opt_v",
+    )
 
     @property
     def any(self) -> bool:

@@ -6,60 +6,15 @@ included, so the schedule follows the training step even after a skip; Adam's ow
 correction) advances only on applied updates.
 """
 
-import dataclasses
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-SCHEDULES = ("cosine", "linear", "wsd")
+from jaxllmq.settings import OptimConfig
+
 MOMENT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """Optimizer and lr-schedule settings; field names are the flags' names."""
-
-    lr: float = 3e-4
-    warmup: int = 0
-    cooldown: int = 0
-    final_lr_fraction: float = 1.0
-    lr_schedule: str = "cosine"  # cosine | linear | wsd (constant after warmup until the cooldown)
-    beta_1: float = 0.9
-    beta_2: float = 0.95
-    adam_epsilon: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
-    opt_m_dtype: str = "float32"
-    opt_v_dtype: str = "float32"
-    decay_embeddings: bool = False
-    max_nonfinite: int = 5  # the run stops at this many non-finite-gradient steps in a row
-
-    def __post_init__(self):
-        def check(ok: bool, flag: str, want: str) -> None:
-            if not ok:
-                raise ValueError(f"--{flag} must be {want}, got {getattr(self, flag)!r}")
-
-        check(math.isfinite(self.lr) and self.lr > 0, "lr", "a positive number")
-        check(self.warmup >= 0, "warmup", ">= 0")
-        check(self.cooldown >= 0, "cooldown", ">= 0")
-        check(0.0 <= self.final_lr_fraction <= 1.0, "final_lr_fraction", "in [0, 1]")
-        check(self.lr_schedule in SCHEDULES, "lr_schedule", f"one of {', '.join(SCHEDULES)}")
-        check(0.0 <= self.beta_1 < 1.0, "beta_1", "in [0, 1)")
-        check(0.0 <= self.beta_2 < 1.0, "beta_2", "in [0, 1)")
-        check(self.adam_epsilon > 0, "adam_epsilon", "> 0")
-        check(self.weight_decay >= 0, "weight_decay", ">= 0")
-        check(self.grad_clip >= 0, "grad_clip", ">= 0 (0 disables clipping)")
-        check(self.opt_m_dtype in MOMENT_DTYPES, "opt_m_dtype", "float32 or bfloat16")
-        check(self.opt_v_dtype in MOMENT_DTYPES, "opt_v_dtype", "float32 or bfloat16")
-        check(self.max_nonfinite >= 1, "max_nonfinite", ">= 1 (1 stops at the first)")
-        if self.lr_schedule == "wsd" and self.cooldown == 0 and self.final_lr_fraction != 1.0:
-            raise ValueError(
-                "--lr_schedule=wsd holds the lr constant until the cooldown, so "
-                f"--final_lr_fraction={self.final_lr_fraction} needs --cooldown > 0"
-            )
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

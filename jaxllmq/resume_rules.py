@@ -7,19 +7,21 @@ import json
 from typing import Any
 
 from jaxllmq.checkpoint_files import CheckpointError, Saved
+from jaxllmq.setting import Resume, entries
+from jaxllmq.settings import TrainConfig
 
-# Saved values that give the state its meaning: a resume that changes them is refused.
-MEANING = {
-    ("model", "model_dtype"): "--model_dtype",
-    ("optim", "opt_m_dtype"): "--opt_m_dtype",
-    ("optim", "opt_v_dtype"): "--opt_v_dtype",
-    ("model", "fp8_scaling"): "--fp8_scaling",
-}
-# On/off switches that add or remove a part of the optimizer state.
-STRUCTURE = {("optim", "grad_clip"): "--grad_clip", ("optim", "weight_decay"): "--weight_decay"}
-# How this process was asked to resume, and where its peers meet: not a change of the run.
-_IGNORED = {("ckpt", "continue_from"), ("ckpt", "new_data"), ("mesh", "coordinator_address")}
-_FLAG_NAMES = {"train_files": "train_file", "eval_files": "eval_file"}
+# Each setting's resume policy and flag, by its path in TrainConfig (jaxllmq/settings.py).
+_SETTINGS = {entry.path: entry for entry in entries(TrainConfig)}
+
+
+def _flag(key: tuple) -> str:
+    entry = _SETTINGS.get(key)
+    return f"--{entry.flag if entry else key[-1]}"
+
+
+def _policy(key: tuple) -> Resume:
+    entry = _SETTINGS.get(key)
+    return entry.meta.resume if entry else Resume.FREE
 
 
 def _flatten(d: dict, prefix: tuple = ()) -> dict[tuple, Any]:
@@ -51,15 +53,15 @@ def check_resume(saved: Saved, config: dict, model: dict) -> list[str]:
         )
     old = _flatten(saved.run.get("config", {}))
     new = _flatten(json.loads(json.dumps(config)))
-    for key, flag in MEANING.items():
-        if key in old and old[key] != new.get(key):
+    for key in sorted(old, key=str):
+        flag, policy = _flag(key), _policy(key)
+        if policy is Resume.MEANING and old[key] != new.get(key):
             raise CheckpointError(
                 f"{where} was saved with {flag}={old[key]}, this run has {flag}={new.get(key)}, "
                 "which changes what the saved state means; resume with the saved value, or start "
                 "a new run from an export of it (python -m jaxllmq.export)"
             )
-    for key, flag in STRUCTURE.items():
-        if key in old and (old[key] > 0) != (new.get(key, 0) > 0):
+        if policy is Resume.STRUCTURE and (old[key] > 0) != (new.get(key, 0) > 0):
             on = old[key] > 0
             raise CheckpointError(
                 f"{where} was saved with {flag}={old[key]}, this run has {flag}={new.get(key)}: "
@@ -67,7 +69,7 @@ def check_resume(saved: Saved, config: dict, model: dict) -> list[str]:
                 f"resume with {flag} {'> 0' if on else '= 0'}"
             )
     return [
-        f"--{_FLAG_NAMES.get(key[-1], key[-1])}: {old.get(key)!r} -> {new.get(key)!r}"
+        f"{_flag(key)}: {old.get(key)!r} -> {new.get(key)!r}"
         for key in sorted(old.keys() | new.keys(), key=str)
-        if key not in _IGNORED and old.get(key) != new.get(key)
+        if _policy(key) is not Resume.SESSION and old.get(key) != new.get(key)
     ]

@@ -27,12 +27,10 @@ import json
 import os
 import socket
 import time
-from typing import TYPE_CHECKING
 
 import jax
 
-if TYPE_CHECKING:
-    from jaxllmq.config import TrainConfig
+from jaxllmq.settings import TrainConfig
 
 CHECKPOINT_DIR_LOCK = ".jaxllmq.lock"
 _READ_TRIES = 20  # a holder writes its JSON just after taking the lock: read again meanwhile

@@ -15,7 +15,6 @@ from flax import nnx
 from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxllmq.config import ModelSpec
 from jaxllmq.kernels import KERNELS, resolve_impl
 from jaxllmq.kernels.fp8_quantize import Quantizer
 from jaxllmq.kernels.lm_head_loss import lm_head_loss, lm_head_loss_sharded
@@ -24,7 +23,6 @@ from jaxllmq.model.architecture import ModelConfig
 from jaxllmq.model.llama import Llama, abstract_model, params_of
 from jaxllmq.offload import Streams, check_supported, place_opt, place_params
 from jaxllmq.optim import (
-    OptimConfig,
     lr_schedule,
     make_optimizer,
     nonfinite_counts,
@@ -32,6 +30,7 @@ from jaxllmq.optim import (
 from jaxllmq.parallel import rules
 from jaxllmq.parallel.mesh import BATCH_AXES, DATA, FSDP, TENSOR, batch_sharding, replicated
 from jaxllmq.parallel.rules import check_tensor_parallel
+from jaxllmq.settings import ModelSpec, OptimConfig
 
 
 @flax.struct.dataclass
@@ -312,7 +311,7 @@ def build(
     quantizer = Quantizer(impls["fp8_quantize"], per_device(impls["fp8_quantize"]), BATCH_AXES)
     model_kwargs = dict(
         param_dtype=jnp.dtype(spec.model_dtype),
-        dtype=jnp.dtype(spec.matmul_dtype),
+        dtype=jnp.dtype(spec.compute_dtype),
         scan_layers=spec.scan_layers,
         attention=spec.attention,
         norm_impl=norm_impl,

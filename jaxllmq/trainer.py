@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from jaxllmq import memory, runlock
 from jaxllmq.checkpoint import Checkpointing
 from jaxllmq.checkpoint_files import CheckpointError
-from jaxllmq.config import ConfigError, TrainConfig, check_seq_len
 from jaxllmq.data.pipeline import TokenBatches, to_global_arrays
 from jaxllmq.export import tokenizer_dir
 from jaxllmq.generate import GenerateError, Sampler
@@ -25,6 +24,8 @@ from jaxllmq.model.architecture import load_model_config
 from jaxllmq.optim import NonFiniteError, check_nonfinite, lr_schedule
 from jaxllmq.parallel.mesh import make_mesh, replicated
 from jaxllmq.preemption import Preemption
+from jaxllmq.setting import SettingError
+from jaxllmq.settings import TrainConfig
 from jaxllmq.telemetry import Nvml, device_records
 from jaxllmq.train_step import Batch, build, kernel_choices
 
@@ -53,7 +54,7 @@ def check_output_dirs(cfg: TrainConfig) -> None:
                 raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
             os.rmdir(tempfile.mkdtemp(dir=existing))
         except OSError as e:
-            raise ConfigError(
+            raise SettingError(
                 f"{flag}: cannot write to {path} ({existing}: {e.strerror or e}); give a "
                 "writable directory"
             ) from e
@@ -85,7 +86,7 @@ class Trainer:
         self.model_cfg = load_model_config(cfg.model.model)
         # Before any data or weights are read: a --seq_len past the model's positions, or a
         # model too large for these devices, is refused.
-        check_seq_len(cfg.data, self.model_cfg, cfg.model.model)
+        cfg.data.check_seq_len(self.model_cfg, cfg.model.model)
         memory.check_training_fits(
             self.model_cfg,
             f"--model={cfg.model.model}",
@@ -112,7 +113,7 @@ class Trainer:
         try:  # --warmup and --cooldown against the run's length (--epochs: known only now)
             lr_schedule(cfg.optim, self.total_steps)
         except ValueError as e:
-            raise ConfigError(str(e)) from e
+            raise SettingError(str(e)) from e
         self.tokens_per_step = d.seq_len * self.rows * d.grad_accumulation
         on_gpu = jax.default_backend() == "gpu"
         self.log = RunLog(
@@ -286,7 +287,7 @@ class Trainer:
         cfg = self.cfg
         source = tokenizer_dir(cfg.model.model, cfg.data.train_files)
         if source is None:
-            raise ConfigError(
+            raise SettingError(
                 "--sample_every_n_steps needs a tokenizer: no tokenizer.json in --model's "
                 "directory nor beside --train_file's shards"
             )
@@ -296,11 +297,11 @@ class Trainer:
                 source,
                 cfg.sample_prompts,
                 max_new_tokens=cfg.sample_max_new_tokens,
-                dtype=jnp.dtype(cfg.model.matmul_dtype),
+                dtype=jnp.dtype(cfg.model.compute_dtype),
                 out_sharding=replicated(self.mesh),
             )
         except GenerateError as e:
-            raise ConfigError(f"--sample_every_n_steps: {e}") from e
+            raise SettingError(f"--sample_every_n_steps: {e}") from e
 
     def _sample(self, step: int) -> None:
         """Log greedy continuations of the sample prompts by the current params."""

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import jax
 
+from jaxllmq.setting import Settings, setting
+
 # Names used with jax.ad_checkpoint.checkpoint_name in model/llama.py's decoder_layer.
 NORM, QKV, ATT, RESID, FFN, SWIGLU = "norm", "qkv", "att", "resid", "ffn", "swiglu"
 # What a layer keeps for its backward pass unless told to recompute it. Everything unnamed
@@ -22,18 +24,34 @@ SAVED = (NORM, QKV, ATT, RESID, FFN, SWIGLU)
 
 
 @dataclasses.dataclass(frozen=True)
-class Recompute:
+class Recompute(Settings):
     """Which activations the backward pass recomputes instead of storing."""
 
-    swiglu: bool = False
-    norm: bool = False
-    ffn: bool = False
-    qkv: bool = False
-    att: bool = False
-    block: bool = False
-    offload_residual: bool = False
+    swiglu: bool = setting(
+        False,
+        "Recompute the SwiGLU product in backward instead of storing it.",
+        flag="recompute_swiglu",
+    )
+    norm: bool = setting(False, "Recompute the RMSNorm outputs in backward.", flag="recompute_norm")
+    ffn: bool = setting(
+        False,
+        "Recompute the MLP's gate/up projections (implies --recompute_swiglu).",
+        flag="recompute_ffn",
+    )
+    qkv: bool = setting(False, "Recompute the q/k/v projections in backward.", flag="recompute_qkv")
+    att: bool = setting(
+        False, "Recompute the attention output (implies --recompute_qkv).", flag="recompute_att"
+    )
+    block: bool = setting(
+        False,
+        "Recompute whole layers, keeping only their inputs (implies att, ffn, norm).",
+        flag="recompute_block",
+    )
+    offload_residual: bool = setting(
+        False, "Offload the residual stream kept for the backward pass to host memory."
+    )
 
-    def __post_init__(self):
+    def check(self) -> None:
         # llmq's implications, resolved once so the flags read as llmq users expect.
         set_ = lambda name: object.__setattr__(self, name, True)
         if self.block:
