@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 9: bf16 vs e4m3 with current vs delayed fp8 scaling (--fp8_scaling), on an H200 machine.
+# bf16 vs e4m3 with current vs delayed fp8 scaling (--fp8_scaling), on an H200 machine.
 #   speed:  per model of $MODELS (1B, 3B; 8 x 2048, unrolled, bf16 weights and moments as gpu_tables.sh),
 #           tokens/s for each of $SPEED (bf16, e4m3-current, e4m3-delayed, and e4m3-delayed-xlanorm:
 #           the RMSNorms in XLA, whose fusions can take in the quantize that a Pallas norm's output
@@ -9,7 +9,7 @@
 #   curves: the pretrain flagfile for $STEPS (500) steps on the quickstart corpus, the same data
 #           for each of $CURVES (bf16 e4m3-current e4m3-delayed): JSONL logs $OUT/curve-<v>.jsonl,
 #           final eval losses against bf16, the curves in $OUT/fp8_vs_bf16.png.
-# The runs of a section are spread over the machine's GPUs, one queue per GPU. On nvidia-h200-x2:
+# The runs of a section are spread over the machine's GPUs, one queue per GPU. On two H200s:
 #   bash benchmarks/gpu_fp8.sh speed    (about 5 min)
 #   bash benchmarks/gpu_fp8.sh curves   (about 7 min: two curves side by side, then the third)
 source benchmarks/gpu_env.sh

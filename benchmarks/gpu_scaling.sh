@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On an nvidia-h200-x2 machine: the 1B train step (unrolled layers, as the pretrain flagfile) on
+# On a machine of two H200s: the 1B train step (unrolled layers, as the pretrain flagfile) on
 # 1 GPU, on 2 GPUs in one process at ZeRO-1/2/3 (the 2-GPU ZeRO-1 run also profiled: NCCL time),
 # and on 2 processes x 1 GPU (fp32: ZeRO-1 and 3; bf16: ZeRO-1, 2 and 3); fp32 master weights,
 # then pure bf16 weights and moments. One JSON line per run in $OUT/scaling.jsonl; a table at the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 12 on an nvidia-h200-x8 machine (8 H200s of one host); on fewer GPUs (an x4) it runs
+# Scaling past two GPUs, on a machine of eight H200s of one host; on fewer GPUs (four) it runs
 # what they allow, with G = the number of GPUs. Sections, each under 10 minutes:
 #   1b     Llama-3.2-1B shapes, B=8 x 2048 per GPU, unrolled, bf16 weights and moments (as the
 #          two-GPU tables): tokens/s per GPU on 1, 2, 4 and 8 GPUs (up to G) at ZeRO-1/2/3,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On an nvidia-h200-x2 machine, two independent single-GPU streams side by side:
-#   GPU 0: jaxllmq's 1B step with each kernel choice, the issue-8 shape table (qwen2.5-0.5b,
+# On a machine of two H200s, two independent single-GPU streams side by side:
+#   GPU 0: jaxllmq's 1B step with each kernel choice, the peer's shape table (qwen2.5-0.5b,
 #          llama-3.2-3b, 1B at T=4096/8192; unrolled, pure bf16), the scanned 1B's compile time,
 #          and fp8 (the HLO check, then e4m3 tokens/s on 1B and 3B);
 #   GPU 1: the peer (transformers + torch.compile, bf16) on the same shapes.

@@ -56,7 +56,7 @@ PY
 fi
 
 if want speed; then
-echo "== issue 8: peer (transformers + torch.compile, bf16) and jaxllmq variants, 1B, B=8 T=2048"
+echo "== peer (transformers + torch.compile, bf16) and jaxllmq variants, 1B, B=8 T=2048"
 timeout 240 python3 benchmarks/peer_torch.py --model=llama-3.2-1b 2>"$OUT/err-peer.txt" | tail -1 | tee -a "$OUT/speed.jsonl" || tail -5 "$OUT/err-peer.txt"
 for variant in "--noscan_layers" "--model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16" \
                "--noscan_layers --model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16"; do
@@ -66,7 +66,7 @@ done
 fi
 
 if want profile; then
-echo "== issue 8: where the 1B step's time goes, and variants (B=8 T=2048, unrolled, bf16 weights+moments)"
+echo "== where the 1B step's time goes, and variants (B=8 T=2048, unrolled, bf16 weights+moments)"
 BASE="--model=llama-3.2-1b --batch_size=8 --seq_len=2048 --noscan_layers --model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16 --bench_steps=20 --measure_matmul_ceiling=false --json"
 run() {  # name, env..., -- bench flags...
   local name=$1; shift; local envs=(); while [[ $1 != -- ]]; do envs+=("$1"); shift; done; shift
@@ -87,7 +87,7 @@ PY
 fi
 
 if want 8b; then
-echo "== issue 8: the 8B preset's largest micro-batch (T=2048, bf16 weights and moments), without and with --recompute_block"
+echo "== the 8B preset's largest micro-batch (T=2048, bf16 weights and moments), without and with --recompute_block"
 # Largest first; the first that compiles and runs is the answer (an OOM fails the bench fast).
 probe() {  # label, batch sizes, flags...
   local label=$1 sizes=$2; shift 2

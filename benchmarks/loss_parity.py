@@ -1,4 +1,4 @@
-"""Loss parity with the peer (issue 8): jaxllmq and transformers train the same initial weights
+"""Loss parity with the peer: jaxllmq and transformers train the same initial weights
 on the same batches with the same AdamW; their per-step losses are compared against a noise band.
 
     python benchmarks/loss_parity.py                        # GPU: llama-3.2-1b, 8 x 2048, 50 steps

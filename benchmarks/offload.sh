@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine (issue 10): host offload of master weights, Adam moments and residuals.
+# On the GPU machine: host offload of master weights, Adam moments and residuals.
 #   check  each switch trains the tiny preset to the no-offload losses (benchmarks/offload_check.py)
 #   1b     cost of each switch on the 1B, B=8 T=2048: tokens/s and peak memory
 #   8b     the 8B preset at T=4096, fp32 master + AdamW moments, every offload on (also with 8
@@ -7,9 +7,9 @@
 #          recorded)
 #   8b-switches  the 8B at T=4096 with bf16 weights and moments (fits without offload): the cost
 #          of each switch against none
-#   14b    qwen2.5-14b on every GPU of the machine (nvidia-h200-x2), ZeRO-3, every offload on
+#   14b    qwen2.5-14b on every GPU of the machine (two H200s), ZeRO-3, every offload on
 # Usage: bash benchmarks/offload.sh [check] [1b] [8b] [8b-switches] [14b]   (default: check 1b 8b);
-# results in $OUT. Each section fits one 10-minute device call.
+# results in $OUT. Each section runs in under 10 minutes.
 source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 SECTIONS="${*:-check 1b 8b}"

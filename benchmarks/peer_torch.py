@@ -3,8 +3,9 @@
     python3 benchmarks/peer_torch.py --model=llama-3.2-1b --batch_size=8 --seq_len=2048 [--eager]
 
 Random init at a preset's shapes (jaxllmq's presets, so both sides train the same model), pure
-bf16 weights, synthetic tokens. Prints one JSON line: tokens/s, step time, MFU (DESIGN.md's
-formula), peak memory, compile time, and the loss every few steps.
+bf16 weights, synthetic tokens. Prints one JSON line: tokens/s, step time, MFU (jaxllmq's:
+ModelConfig.flops_per_token against the H100/H200 bf16 peak), peak memory, compile time, and the
+loss every few steps.
 """
 
 import argparse

@@ -1,5 +1,6 @@
-"""Run logging: the JSON Lines log (DESIGN.md's record kinds), the console line per step with a
-progress bar on a terminal, MFU, and loss / grad-norm outlier messages by running z-score.
+"""Run logging: the JSON Lines log (one record per line, each with its kind, time and step), the
+console line per step with a progress bar on a terminal, MFU, and loss / grad-norm outlier
+messages by running z-score.
 
 Dependency-free on purpose (stdlib + numpy): the host loop calls it with Python floats, and tools
 (plot, bench) can read what it writes without jax. The optional TensorBoard and W&B sinks import
@@ -18,7 +19,7 @@ from typing import IO, Any
 
 import numpy as np
 
-# Dense bf16 FLOP/s of one H100/H200 (spec sheet): DESIGN.md's MFU denominator.
+# Dense bf16 FLOP/s of one H100/H200 (spec sheet): the MFU denominator.
 PEAK_FLOPS_BF16 = 989e12
 
 OUTLIER_METRICS = ("loss", "norm")

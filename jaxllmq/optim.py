@@ -149,7 +149,7 @@ class OptState(NamedTuple):
 def make_optimizer(
     cfg: OptimConfig, total_steps: int, logical_axes: dict
 ) -> optax.GradientTransformation:
-    """AdamW as in the design: global-norm clip, Adam with `opt_m_dtype`/`opt_v_dtype` moments,
+    """AdamW: global-norm clip, Adam with `opt_m_dtype`/`opt_v_dtype` moments,
     decoupled weight decay on matrices, scaled by -lr_schedule(count); a step whose gradients
     hold a NaN or Inf is skipped (params, moments and Adam's count unchanged) and counted.
 

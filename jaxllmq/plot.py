@@ -4,14 +4,14 @@ Panels: train loss (raw, faint, and an exponential moving average) with eval los
 grad norm and tokens/s, against step (default) or against tokens trained (`--x=tokens`). Several
 runs are overlaid, one color each, named by their file (or `--names`).
 
-Reads jaxllmq's JSON Lines log (DESIGN.md's Log contract) and llmq's log (its TrainingRunLogger,
-src/training/logging.cpp): one JSON array, one record per line, rewritten after each record so it
-stays valid. llmq's records carry `log` (kind), `time` (a date string) and `step`; a "step" record
-has `loss`, `norm`, `lr`, `step_tokens`, `duration_ms` (and `epoch`; some versions `lse_max`,
-`lse_mean`), an "eval" record `loss`, `eval_tokens`, `duration_ms`. Tokens/s is step_tokens over
-duration_ms where a record has no `tokens_per_s`. Records of other kinds (cmd, option, dataset,
-gpu, ...), and keys a log lacks, are skipped, so a panel a log has no data for is left without that
-run's line.
+Reads jaxllmq's JSON Lines log (one record per line, each with `log` (kind), `time` and `step`) and
+llmq's log (its TrainingRunLogger's): one JSON array, one record per line, rewritten after each
+record so it stays valid. llmq's records carry `log` (kind), `time` (a date string) and `step`; a
+"step" record has `loss`, `norm`, `lr`, `step_tokens`, `duration_ms` (and `epoch`; some versions
+`lse_max`, `lse_mean`), an "eval" record `loss`, `eval_tokens`, `duration_ms`. Tokens/s is
+step_tokens over duration_ms where a record has no `tokens_per_s`. Records of other kinds (cmd,
+option, dataset, gpu, ...), and keys a log lacks, are skipped, so a panel a log has no data for is
+left without that run's line.
 """
 
 import dataclasses

@@ -16,7 +16,7 @@ from jaxllmq.data.shards import (
 
 
 def hand_built(tokens, mask=None, *, version=2, vocab=1000, fill=b"\0", bytes_per_token=4):
-    """A shard assembled from DESIGN.md's layout alone, not from our writer."""
+    """A shard assembled from the layout in shards.py's docstring alone, not from our writer."""
     words = [version, bytes_per_token, len(tokens)]
     if version == 2:
         words += [vocab, int(mask is not None)]

@@ -1,5 +1,5 @@
 """benchmarks/loss_parity.py on CPU: jaxllmq and transformers, from the same weights on the same
-batches with the same AdamW, give the same losses (issue 8's loss check, at the tiny preset)."""
+batches with the same AdamW, give the same losses (the peer loss check, at the tiny preset)."""
 
 import os
 import sys

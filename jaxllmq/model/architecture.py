@@ -160,7 +160,8 @@ class ModelConfig:
         return V * D * (1 if self.tie_word_embeddings else 2) + L * layer + D
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (DESIGN.md): 6 x matmul params + causal attention, fwd+bwd."""
+        """Training FLOPs per token, MFU's numerator: 6 x matmul params (LM head included) + 6 x
+        layers x seq_len x query width (causal attention), forward and backward."""
         D, F, V, L = (
             self.hidden_size,
             self.intermediate_size,

@@ -31,8 +31,9 @@ cuBLAS, where a dequantize prologue would invite a Triton fusion instead. cuBLAS
 products in fp32 and rounds once to bf16 on output (the CPU path does the same: fp32 dot, one
 rounding); the scale multiply afterwards is exact (a power of two) and fuses into the consumer.
 Precision DEFAULT lets XLA turn on cuBLASLt's fast fp8 accumulation for the forward GEMM;
-HIGHEST keeps full fp32 accumulation for dgrad and wgrad (openxla/xla#6599; what Transformer
-Engine does too). benchmarks/fp8_check.py counts the custom calls in the compiled 1B step.
+HIGHEST keeps full fp32 accumulation for dgrad and wgrad (XLA asks for fast accumulation only
+below HIGHEST; Transformer Engine, too, accumulates the gradients' fp8 GEMMs in full).
+benchmarks/fp8_check.py counts the custom calls in the compiled 1B step.
 
 Layouts: cuBLASLt's fp8 GEMM wants both operands' contracted dimension contiguous, so the weight
 gradient x^T g needs x and g token-major, while the forward GEMM and dgrad read them row-major.
