@@ -80,12 +80,12 @@ def run_jax(
     import jax
 
     from jaxllmq import train_step
-    from jaxllmq.config import ModelSpec
     from jaxllmq.data.pipeline import to_global_arrays
     from jaxllmq.model import hf
     from jaxllmq.model.architecture import preset
-    from jaxllmq.optim import OptimConfig, decay_mask
+    from jaxllmq.optim import decay_mask
     from jaxllmq.parallel.mesh import make_mesh
+    from jaxllmq.settings import ModelSpec, OptimConfig
 
     steps = len(batches)
     cfg = model_cfg or preset(model)

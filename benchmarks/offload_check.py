@@ -15,12 +15,11 @@ from absl import app, flags
 
 from jaxllmq import train_step, xla_flags
 from jaxllmq.bench import synthetic_batch
-from jaxllmq.config import ModelSpec
 from jaxllmq.model.architecture import load_model_config
 from jaxllmq.model.recompute import Recompute
 from jaxllmq.offload import Offload
-from jaxllmq.optim import OptimConfig
 from jaxllmq.parallel.mesh import make_mesh
+from jaxllmq.settings import ModelSpec, OptimConfig
 
 # --model and --matmul_dtype are the trainer's flags (jaxllmq.config, imported through bench).
 _steps = flags.DEFINE_integer("check_steps", 3, "Steps per switch.")

@@ -104,8 +104,27 @@ class ModelSpec(Settings):
         "XLA's attention keeps the [batch, heads, seq, seq] scores, so large batches need "
         "--recompute_att (docs/PERFORMANCE.md).",
     )
+    kernels: str = setting(
+        "auto",
+        "Fused Pallas kernels (rms_norm, lm_head_loss, fp8_quantize) or XLA: auto|pallas|xla for "
+        "all, or per kernel, e.g. rms_norm=pallas,lm_head_loss=xla; auto = what measured faster "
+        "on one GPU, or on several (there the RMSNorm in XLA; all XLA under tensor parallelism). "
+        "lm_head_loss=mosaic: its kernel in Mosaic GPU (bf16, tile-aligned shapes), auto's choice "
+        "on Hopper GPUs.",
+    )
+    lmhead_chunks: int = setting(
+        1,
+        "Compute the LM-head loss over at least this many token chunks (saves memory; the Pallas "
+        "loss uses chunks of at most 8192 tokens anyway and never holds the logits).",
+        lower=1,
+    )
     recompute: Recompute = section(Recompute)
     offload: Offload = section(Offload)
+
+    @property
+    def attention_request(self) -> str:
+        """--attention, with auto meaning XLA's under --deterministic (cuDNN's crashes there)."""
+        return "xla" if self.deterministic and self.attention == "auto" else self.attention
 
     @property
     def compute_dtype(self) -> str:
@@ -148,6 +167,10 @@ class ModelSpec(Settings):
                 "--fp8_scaling=delayed needs --matmul_dtype=e4m3 (it scales the fp8 block "
                 f"linears; --matmul_dtype={self.matmul_dtype} here)"
             )
+        try:
+            parse_kernels(self.kernels)
+        except ValueError as e:
+            raise SettingError(str(e)) from None
         if self.deterministic and self.attention == "cudnn":
             raise SettingError(
                 "--deterministic with --attention=cudnn: cuDNN's attention crashes under XLA's "
@@ -181,10 +204,6 @@ class DataConfig(Settings):
     grad_accumulation: int = setting(1, "Micro-batches per optimizer step.", lower=1)
     train_seed: int = setting(42, "Seed for init and the training data order.")
     eval_seed: int = setting(0, "Seed for the evaluation data order.")
-
-    def check(self) -> None:
-        if not self.train_files:
-            raise SettingError("--train_file is required: token shards (BIN.TOK) to train on")
 
     def check_seq_len(self, model_cfg: ModelConfig, model: str) -> None:
         """Refuse a --seq_len beyond the model's max_position_embeddings unless allowed."""
@@ -354,20 +373,6 @@ class TrainConfig(Settings):
         None, "Passes over --train_file (or use --steps); partial batches dropped.", lower=1
     )
     z_loss: float = setting(0.0, "z-loss weight on logsumexp^2.", lower=0.0)
-    kernels: str = setting(
-        "auto",
-        "Fused Pallas kernels (rms_norm, lm_head_loss, fp8_quantize) or XLA: auto|pallas|xla for "
-        "all, or per kernel, e.g. rms_norm=pallas,lm_head_loss=xla; auto = what measured faster "
-        "on one GPU, or on several (there the RMSNorm in XLA; all XLA under tensor parallelism). "
-        "lm_head_loss=mosaic: its kernel in Mosaic GPU (bf16, tile-aligned shapes), auto's choice "
-        "on Hopper GPUs.",
-    )
-    lmhead_chunks: int = setting(
-        1,
-        "Compute the LM-head loss over at least this many token chunks (saves memory; the Pallas "
-        "loss uses chunks of at most 8192 tokens anyway and never holds the logits).",
-        lower=1,
-    )
     eval_every_n_steps: int = setting(100, "Evaluate every N steps (0 = only at the end).", lower=0)
     eval_num_steps: int = setting(
         20, "Batches per periodic evaluation (the final one uses all).", lower=1
@@ -410,11 +415,9 @@ class TrainConfig(Settings):
     ckpt: CheckpointConfig = section(CheckpointConfig)
 
     def check(self) -> None:
+        if not self.data.train_files:
+            raise SettingError("--train_file is required: token shards (BIN.TOK) to train on")
         if (self.steps is None) == (self.epochs is None):
             raise SettingError("give exactly one of --steps and --epochs")
         if self.sample_every_n_steps > 0 and not self.sample_prompts:
             raise SettingError("--sample_every_n_steps needs --sample_prompts (none given)")
-        try:
-            parse_kernels(self.kernels)
-        except ValueError as e:
-            raise SettingError(str(e)) from None

@@ -313,7 +313,7 @@ def build(
         param_dtype=jnp.dtype(spec.model_dtype),
         dtype=jnp.dtype(spec.compute_dtype),
         scan_layers=spec.scan_layers,
-        attention=spec.attention,
+        attention=spec.attention_request,
         norm_impl=norm_impl,
         recompute=spec.recompute,
         linear_dtype=spec.linear_dtype,

@@ -161,8 +161,8 @@ class Trainer:
             total_steps=self.total_steps,
             seed=d.train_seed,
             z_loss=cfg.z_loss,
-            kernels=cfg.kernels,
-            lmhead_chunks=cfg.lmhead_chunks,
+            kernels=cfg.model.kernels,
+            lmhead_chunks=cfg.model.lmhead_chunks,
             zero_level=cfg.mesh.zero_level,
         )
         self.state = self.compiled.state
@@ -180,7 +180,7 @@ class Trainer:
             device_kind=jax.devices()[0].device_kind,
             processes=jax.process_count(),
             jax_version=jax.__version__,
-            kernels=kernel_choices(cfg.kernels, self.mesh),  # what --kernels resolved to here
+            kernels=kernel_choices(cfg.model.kernels, self.mesh),  # what --kernels resolved to here
         )
         self._log_gpu(0)
         self.log.record(

@@ -19,11 +19,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jaxllmq import config, memory
+from jaxllmq import memory
+from jaxllmq.cli import flags
 from jaxllmq.data.shards import write_shard
 from jaxllmq.model import hf
 from jaxllmq.model.architecture import PRESETS, ModelConfig, ModelConfigError
 from jaxllmq.model.llama import abstract_model
+from jaxllmq.setting import SettingError
+from jaxllmq.settings import DataConfig
 
 GIB = 1024**3
 # A small model of the tiny preset's family: one layer, quick to write and read.
@@ -78,12 +81,12 @@ def _copy(model_dir: str, dst, *, config_edit=None, tensors_edit=None) -> str:
 
 def test_seq_len_beyond_max_position_needs_the_flag():
     tiny = PRESETS["tiny"]  # 4096 positions
-    data = config.DataConfig(train_files=("t.bin",), seq_len=8192)
-    with pytest.raises(config.ConfigError, match=r"--seq_len=8192.*4096.*--allow_seq_len_beyond"):
-        config.check_seq_len(data, tiny, "tiny")
-    config.check_seq_len(dataclasses.replace(data, seq_len=4096), tiny, "tiny")
+    data = DataConfig(train_files=("t.bin",), seq_len=8192)
+    with pytest.raises(SettingError, match=r"--seq_len=8192.*4096.*--allow_seq_len_beyond"):
+        data.check_seq_len(tiny, "tiny")
+    dataclasses.replace(data, seq_len=4096).check_seq_len(tiny, "tiny")
     allowed = dataclasses.replace(data, allow_seq_len_beyond_max_position=True)
-    config.check_seq_len(allowed, tiny, "tiny")
+    allowed.check_seq_len(tiny, "tiny")
 
 
 # ---- 2. weight tensors that are not floating point ----
@@ -245,7 +248,7 @@ def test_bad_index_names_it(model_dir, tmp_path, index, pattern):
 def test_unreadable_flagfile_is_one_line(tmp_path, capsys):
     for path, reason in [(tmp_path / "none.flags", "No such file"), (tmp_path, "Is a directory")]:
         with pytest.raises(SystemExit) as e:
-            config.parse_argv(["main", f"--flagfile={path}"])
+            flags.parse_argv(["main", f"--flagfile={path}"])
         assert str(e.value.code).startswith(f"error: --flagfile={path}: cannot read it ({reason}")
 
 

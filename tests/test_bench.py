@@ -7,11 +7,10 @@ import sys
 import pytest
 
 from jaxllmq import bench, train_step
-from jaxllmq.config import ModelSpec
 from jaxllmq.kernels import KERNELS
 from jaxllmq.model.architecture import preset
-from jaxllmq.optim import OptimConfig
 from jaxllmq.parallel.mesh import make_mesh
+from jaxllmq.settings import DataConfig, MeshConfig, ModelSpec, OptimConfig
 
 
 def test_bench_reports_throughput_and_a_falling_loss():
@@ -21,15 +20,10 @@ def test_bench_reports_throughput_and_a_falling_loss():
         cfg,
         spec,
         OptimConfig(lr=1e-2),
-        batch_size=1,
-        seq_len=32,
-        grad_accumulation=2,
-        gpus=0,
-        steps=4,
-        warmup=1,
-        ceiling=False,
-        profile_steps=1,
-        pgle_steps=1,  # traced, then compiled again with the (on CPU: empty) measured times
+        DataConfig(batch_size=1, seq_len=32, grad_accumulation=2),
+        MeshConfig(gpus=0),
+        # pgle: traced, then compiled again with the (on CPU: empty) measured times
+        bench.BenchConfig(bench_steps=4, bench_warmup=1, profile_steps=1, pgle_steps=1),
     )
     assert out["devices"] == 8 and out["pgle_steps"] == 1  # the test's fake CPU devices
     tokens_per_step = 2 * 1 * 8 * 32

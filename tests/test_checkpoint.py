@@ -23,9 +23,10 @@ import pytest
 from safetensors.numpy import load_file
 
 from jaxllmq import checkpoint, checkpoint_files, resume_rules
-from jaxllmq.config import CheckpointConfig, ConfigError
 from jaxllmq.data.shards import write_shard
 from jaxllmq.model.architecture import preset
+from jaxllmq.setting import SettingError
+from jaxllmq.settings import CheckpointConfig
 
 SEQ = 16
 WINDOWS = 56  # 3 steps per epoch of 16 rows (8 x grad_accumulation 2): step 4 is mid-epoch
@@ -486,5 +487,5 @@ def test_check_resume_allows_harmless_changes_and_logs_them():
     ],
 )
 def test_checkpoint_config_validation(kw, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(SettingError, match=message):
         CheckpointConfig(**kw)

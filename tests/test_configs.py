@@ -17,9 +17,11 @@ CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.flags")))
 
 CHECK = """
 import sys
-from jaxllmq import config
-config.parse_argv(sys.argv)
-cfg = config.from_flags()
+from jaxllmq.cli import flags
+from jaxllmq.settings import TrainConfig
+flags.define(TrainConfig)
+flags.parse_argv(sys.argv)
+cfg = flags.build(TrainConfig)
 print(cfg.model.model, cfg.steps, cfg.epochs)
 """
 
@@ -47,9 +49,11 @@ def test_flagfile_parses_and_validates(path, tmp_path):
 
 ATTENTION = """
 import sys
-from jaxllmq import config
-config.parse_argv(sys.argv)
-print(config.model_spec_from_flags().attention)
+from jaxllmq.cli import flags
+from jaxllmq.settings import ModelSpec
+flags.define(ModelSpec)
+flags.parse_argv(sys.argv)
+print(flags.build(ModelSpec).attention_request)
 """
 
 

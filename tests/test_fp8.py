@@ -14,13 +14,14 @@ import pytest
 from test_checkpoint import run_module
 
 from jaxllmq import checkpoint, checkpoint_files, resume_rules, train_step
-from jaxllmq.config import CheckpointConfig, ConfigError, ModelSpec
 from jaxllmq.data.shards import write_shard
 from jaxllmq.kernels.rms_norm import rms_norm
 from jaxllmq.model import fp8, fp8_delayed
 from jaxllmq.model.architecture import preset
 from jaxllmq.model.llama import Llama, abstract_model, params_of
-from jaxllmq.optim import OptimConfig, lr_schedule, make_optimizer
+from jaxllmq.optim import lr_schedule, make_optimizer
+from jaxllmq.setting import SettingError
+from jaxllmq.settings import CheckpointConfig, ModelSpec, OptimConfig
 
 CFG = dataclasses.replace(
     preset("tiny"),
@@ -315,17 +316,16 @@ def test_histories_survive_a_checkpoint_and_old_checkpoints_still_restore(tmp_pa
 
 
 def test_model_spec_refuses_dtype_combinations_naming_the_flag():
-    ok = ModelSpec(model="tiny", from_scratch=True, linear_dtype="e4m3", gradient_dtype="e5m2")
-    assert ok.matmul_dtype == "bfloat16"
+    ok = ModelSpec(model="tiny", from_scratch=True, matmul_dtype="e4m3", gradient_dtype="e5m2")
+    assert (ok.compute_dtype, ok.linear_dtype) == ("bfloat16", "e4m3")
     bad = [
         (dict(model_dtype="e4m3"), "--model_dtype=e4m3"),
-        (dict(matmul_dtype="e4m3"), "--matmul_dtype=e4m3"),
-        (dict(matmul_dtype="float32", linear_dtype="e4m3"), "computes in bfloat16"),
-        (dict(linear_dtype="e4m3", gradient_dtype="bfloat16"), "--gradient_dtype=bfloat16"),
+        (dict(matmul_dtype="e5m2"), "--matmul_dtype=e5m2"),
+        (dict(matmul_dtype="e4m3", gradient_dtype="bfloat16"), "--gradient_dtype=bfloat16"),
         (dict(gradient_dtype="e5m2"), "--gradient_dtype=e5m2 needs --matmul_dtype=e4m3"),
     ]
     for kwargs, message in bad:
-        with pytest.raises(ConfigError, match=re.escape(message)):
+        with pytest.raises(SettingError, match=re.escape(message)):
             ModelSpec(model="tiny", from_scratch=True, **kwargs)
 
 
@@ -376,7 +376,7 @@ def test_fp8_run_resumes_bit_exactly(tmp_path):
     assert steps["b"] == {s: steps["a"][s] for s in (3, 4)}
     options = [json.loads(line) for line in open(os.path.join(out, "a.jsonl"))]
     model = next(r for r in options if r["log"] == "options")["model"]
-    dtypes = ("matmul_dtype", "linear_dtype", "gradient_dtype", "fp8_scaling")
-    assert tuple(model[k] for k in dtypes) == ("bfloat16", "e4m3", "e5m2", "delayed")
+    dtypes = ("matmul_dtype", "gradient_dtype", "fp8_scaling")
+    assert tuple(model[k] for k in dtypes) == ("e4m3", "e5m2", "delayed")
     bad = run_module(flags("--steps=1", "--matmul_dtype=float32", "--gradient_dtype=e5m2"), out)
     assert bad.returncode == 1 and "--gradient_dtype=e5m2 needs --matmul_dtype=e4m3" in bad.stderr

@@ -14,12 +14,11 @@ import pytest
 
 from jaxllmq import checkpoint, checkpoint_files, train_step
 from jaxllmq.bench import synthetic_batch
-from jaxllmq.config import CheckpointConfig, ModelSpec
 from jaxllmq.model.architecture import preset
 from jaxllmq.model.recompute import Recompute
 from jaxllmq.offload import HOST, Offload, OffloadError, check_supported
-from jaxllmq.optim import OptimConfig
 from jaxllmq.parallel.mesh import make_mesh
+from jaxllmq.settings import CheckpointConfig, ModelSpec, OptimConfig
 
 CFG = dataclasses.replace(preset("tiny"), num_hidden_layers=2, vocab_size=512)
 OPTIM = OptimConfig(lr=3e-3, weight_decay=0.1, adam_epsilon=1e-6)

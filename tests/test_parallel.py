@@ -10,11 +10,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllmq import train_step
 from jaxllmq.bench import synthetic_batch
-from jaxllmq.config import ModelSpec
 from jaxllmq.model.architecture import preset
-from jaxllmq.optim import OptimConfig
 from jaxllmq.parallel import rules
 from jaxllmq.parallel.mesh import make_mesh
+from jaxllmq.settings import ModelSpec, OptimConfig
 
 CFG = dataclasses.replace(preset("tiny"), num_hidden_layers=2, vocab_size=512)
 SPEC = ModelSpec(model="tiny", from_scratch=True, matmul_dtype="float32")

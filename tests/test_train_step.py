@@ -14,7 +14,8 @@ from jaxllmq import train_step
 from jaxllmq.model import hf
 from jaxllmq.model.architecture import preset
 from jaxllmq.model.llama import Llama, abstract_model, params_of
-from jaxllmq.optim import OptimConfig, lr_schedule, make_optimizer
+from jaxllmq.optim import lr_schedule, make_optimizer
+from jaxllmq.settings import OptimConfig
 
 SMALL = dataclasses.replace(preset("tiny"), num_hidden_layers=2, vocab_size=512)
 
