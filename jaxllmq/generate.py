@@ -3,17 +3,16 @@
     python -m jaxllmq.generate --model=DIR | --checkpoint=DIR[/STEP] --prompt="def " \\
         [--max_new_tokens=64 --temperature=0.8 --top_p=0.95 --seed=0 --num_samples=1]
 
-The prompt is prefilled in one forward pass that fills the cache, then one token per step runs in
-a `jax.lax.while_loop` until --max_new_tokens or every sample has written EOS. The cache has a
-static length (prompt + max_new_tokens), so the whole generation is one compiled program.
---temperature=0 is greedy decoding. The trainer's --sample_every_n_steps uses `Sampler`.
+The prompt is prefilled in one forward pass that fills the cache (model/llama.py's KVCache), then
+one token per step runs in a `jax.lax.while_loop` until --max_new_tokens or every sample has
+written EOS. The cache has a static length (prompt + max_new_tokens), so the whole generation is
+one compiled program. --temperature=0 is greedy decoding. The trainer's --sample_every_n_steps
+uses `Sampler`.
 
-Shape letters as in model/llama.py, plus S cache length, P prompt length, M new tokens, G query
-heads per kv head.
+Shape letters as in model/llama.py, plus P prompt length, M new tokens.
 """
 
 import json
-import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -22,107 +21,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from flax import nnx
 from tokenizers import Tokenizer
 
 from jaxllmq import checkpoint_files
 from jaxllmq.export import load_checkpoint, tokenizer_dir
-from jaxllmq.kernels.rms_norm import rms_norm
 from jaxllmq.model import CheckpointFormatError, ModelConfigError, hf
 from jaxllmq.model.architecture import ModelConfig
-from jaxllmq.model.llama import apply_rope, params_of, rope_cos_sin
+from jaxllmq.model.llama import KVCache, abstract_model, params_of
 
 
 class GenerateError(ValueError):
     """Input generation cannot use (a missing directory, no tokenizer, an empty prompt)."""
-
-
-# ---- the cached forward ----
-
-
-def init_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> dict[str, jax.Array]:
-    """An empty KV cache: k and v [L, B, S, K, H] in the compute dtype."""
-    shape = (cfg.num_hidden_layers, batch, length, cfg.num_key_value_heads, cfg.dim_per_head)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-
-
-def _cached_layer(
-    p: dict[str, jax.Array],
-    x_BxTxD: jax.Array,
-    cos_BxTxH: jax.Array,
-    sin_BxTxH: jax.Array,
-    k_BxSxKxH: jax.Array,
-    v_BxSxKxH: jax.Array,
-    start: jax.Array,
-    *,
-    cfg: ModelConfig,
-    dtype,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """llama.decoder_layer for tokens at positions start.. whose keys/values join the cache."""
-    B, T, _ = x_BxTxD.shape
-    N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_per_head
-    S = k_BxSxKxH.shape[1]
-    w = {k: v.astype(dtype) for k, v in p.items()}
-    eps = cfg.rms_norm_eps
-
-    h_BxTxD = rms_norm(x_BxTxD, w["input_layernorm"], eps, impl="xla")
-    q = h_BxTxD @ w["q_proj"]
-    k = h_BxTxD @ w["k_proj"]
-    v = h_BxTxD @ w["v_proj"]
-    if cfg.attention_bias:
-        q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
-    q_BxTxNxH = apply_rope(q.reshape(B, T, N, H), cos_BxTxH, sin_BxTxH)
-    k_new = apply_rope(k.reshape(B, T, K, H), cos_BxTxH, sin_BxTxH)
-    k_BxSxKxH = jax.lax.dynamic_update_slice(k_BxSxKxH, k_new.astype(dtype), (0, start, 0, 0))
-    v_BxSxKxH = jax.lax.dynamic_update_slice(
-        v_BxSxKxH, v.reshape(B, T, K, H).astype(dtype), (0, start, 0, 0)
-    )
-    # GQA as jax.nn.dot_product_attention does it: query head n reads kv head n // G.
-    q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
-    scores = jnp.einsum(
-        "btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH, preferred_element_type=jnp.float32
-    ) / math.sqrt(H)
-    # Causal over the whole cache: a query sees the keys at its position and before. Slots past
-    # it hold zeros or a padded prompt's leftovers, always overwritten before they are attended.
-    q_pos_T = start + jnp.arange(T)
-    visible_TxS = jnp.arange(S)[None, :] <= q_pos_T[:, None]
-    scores = jnp.where(visible_TxS, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # fp32 softmax, as the XLA kernel
-    o_BxTxKxGxH = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH)
-    x_BxTxD = x_BxTxD + o_BxTxKxGxH.reshape(B, T, N * H) @ w["o_proj"]
-
-    h_BxTxD = rms_norm(x_BxTxD, w["post_attention_layernorm"], eps, impl="xla")
-    swiglu_BxTxF = jax.nn.silu(h_BxTxD @ w["gate_proj"]) * (h_BxTxD @ w["up_proj"])
-    return x_BxTxD + swiglu_BxTxF @ w["down_proj"], k_BxSxKxH, v_BxSxKxH
-
-
-def forward_cached(
-    params: dict,
-    cfg: ModelConfig,
-    tokens_BxT: jax.Array,
-    start: jax.Array | int,
-    cache: dict[str, jax.Array],
-    *,
-    dtype=jnp.float32,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """fp32 logits [B, T, V] of tokens at positions start.., and the cache holding them too."""
-    B, T = tokens_BxT.shape
-    start = jnp.asarray(start, jnp.int32)
-    positions_BxT = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
-    cos, sin = rope_cos_sin(cfg, positions_BxT)
-    x_BxTxD = jnp.take(params["embed_tokens"], tokens_BxT, axis=0).astype(dtype)
-
-    def layer(x, p_k_v):
-        p, k, v = p_k_v
-        x, k, v = _cached_layer(p, x, cos, sin, k, v, start, cfg=cfg, dtype=dtype)
-        return x, (k, v)
-
-    x_BxTxD, (k, v) = jax.lax.scan(layer, x_BxTxD, (params["layers"], cache["k"], cache["v"]))
-    h_BxTxD = rms_norm(x_BxTxD, params["norm"].astype(dtype), cfg.rms_norm_eps, impl="xla")
-    head_DxV = params["embed_tokens"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = jnp.einsum(
-        "btd,dv->btv", h_BxTxD, head_DxV.astype(dtype), preferred_element_type=jnp.float32
-    )
-    return logits, {"k": k, "v": v}
 
 
 # ---- sampling ----
@@ -161,13 +71,15 @@ def make_decode(
     M = max_new_tokens
     eos = jnp.asarray(list(eos_ids) or [-1], jnp.int32)
     pad = int(eos_ids[0]) if eos_ids else 0
+    graphdef, _, _ = abstract_model(cfg, dtype=dtype, attention="xla")
 
     def decode(params: dict, prompt_BxP: jax.Array, n: jax.Array, key: jax.Array) -> jax.Array:
         B, P = prompt_BxP.shape
         n = jnp.asarray(n, jnp.int32)
-        cache = init_cache(cfg, B, P + M, dtype)
-        logits_BxPxV, cache = forward_cached(params, cfg, prompt_BxP, 0, cache, dtype=dtype)
+        model = nnx.merge(graphdef, params)
+        logits_BxPxV, cache = model.cached_logits(prompt_BxP, KVCache.empty(cfg, B, P + M, dtype))
         logits_BxV = jax.lax.dynamic_index_in_dim(logits_BxPxV, n - 1, axis=1, keepdims=False)
+        cache = cache.truncate(n)  # the padding's keys and values: overwritten by the new tokens
 
         def cond(carry):
             i, _, _, _, done_B = carry
@@ -179,7 +91,7 @@ def make_decode(
             tok_B = jnp.where(done_B, pad, tok_B)
             out_BxM = jax.lax.dynamic_update_slice(out_BxM, tok_B[:, None], (0, i))
             done_B = done_B | jnp.isin(tok_B, eos)
-            logits, cache = forward_cached(params, cfg, tok_B[:, None], n + i, cache, dtype=dtype)
+            logits, cache = model.cached_logits(tok_B[:, None], cache)
             return i + 1, cache, logits[:, 0], out_BxM, done_B
 
         out_BxM = jnp.full((B, M), pad, jnp.int32)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from hf_models import tiny_llama, tiny_qwen2
 from tiny_tokenizer import write_tiny_tokenizer
 from tokenizers import Tokenizer
@@ -19,7 +20,7 @@ from tokenizers import Tokenizer
 from jaxllmq import generate as gen
 from jaxllmq.data.shards import write_shard
 from jaxllmq.model import hf
-from jaxllmq.model.llama import params_of
+from jaxllmq.model.llama import KVCache, params_of
 
 EOS = "<eos>"
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -37,19 +38,22 @@ def _tokens(vocab: int, shape: tuple[int, int], seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, size=shape, dtype=np.int32)
 
 
-def test_cached_logits_equal_the_full_forward(hf_dir):
-    _, _, model = hf_dir
-    cfg, params = model.cfg, params_of(model)
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_cached_logits_equal_the_full_forward(hf_dir, scan_layers):
+    path, _, _ = hf_dir
+    model = hf.from_pretrained(path, attention="xla", scan_layers=scan_layers)
+    cfg, params, graphdef = model.cfg, params_of(model), nnx.graphdef(model)
     tokens = _tokens(cfg.vocab_size, (2, 21), seed=0)
     full = np.asarray(model.logits(tokens))
     # Prefill 13 tokens, then one token per step, as decoding runs (a longer cache than used).
-    cache = gen.init_cache(cfg, 2, 32, jnp.float32)
-    step = jax.jit(lambda p, t, s, c: gen.forward_cached(p, cfg, t, s, c))
-    logits, cache = step(params, tokens[:, :13], 0, cache)
+    cache = KVCache.empty(cfg, 2, 32, jnp.float32)
+    step = jax.jit(lambda p, t, c: nnx.merge(graphdef, p).cached_logits(t, c))
+    logits, cache = step(params, tokens[:, :13], cache)
     parts = [np.asarray(logits)]
     for i in range(13, 21):
-        logits, cache = step(params, tokens[:, i : i + 1], i, cache)
+        logits, cache = step(params, tokens[:, i : i + 1], cache)
         parts.append(np.asarray(logits))
+    assert (np.asarray(cache.length) == 21).all()
     assert np.abs(np.concatenate(parts, axis=1) - full).max() < 1e-5
 
 

@@ -9,6 +9,7 @@ the same storage serves scanned and unrolled layers, checkpoints and the HF name
 Matrices are stored [in, out] (HF stores [out, in]; hf.py transposes).
 """
 
+import dataclasses
 import math
 import operator
 from collections.abc import Callable
@@ -67,6 +68,42 @@ class DecoderLayers(nnx.Module):
     def arrays(self) -> dict[str, jax.Array]:
         """The stacked parameter arrays by name."""
         return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """The keys and values of the tokens so far, for decoding a few tokens at a time.
+
+    k, v [L, B, S, K, H] in the compute dtype, S the most tokens it holds; length [L] int32, the
+    positions filled (the same in every layer), so the next tokens are at length, length + 1, ...
+    Indexed or scanned over L like the stacked layers: one layer's has k, v [B, S, K, H] and a
+    scalar length. Slots from length on are never read before tokens write them.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    length: jax.Array
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, max_len: int, dtype) -> "KVCache":
+        """A cache for `batch` sequences of up to `max_len` tokens, none yet."""
+        L = cfg.num_hidden_layers
+        zeros = jnp.zeros((L, batch, max_len, cfg.num_key_value_heads, cfg.dim_per_head), dtype)
+        return cls(zeros, zeros, jnp.zeros((L,), jnp.int32))
+
+    def truncate(self, length: jax.Array | int) -> "KVCache":
+        """The cache of the first `length` tokens only (the next ones overwrite the rest)."""
+        return dataclasses.replace(self, length=jnp.full_like(self.length, length))
+
+    def append(self, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array) -> "KVCache":
+        """One layer's cache with T more tokens' keys and values, written at `length`."""
+        start = (0, self.length, 0, 0)
+        return KVCache(
+            jax.lax.dynamic_update_slice(self.k, k_BxTxKxH.astype(self.k.dtype), start),
+            jax.lax.dynamic_update_slice(self.v, v_BxTxKxH.astype(self.v.dtype), start),
+            self.length + k_BxTxKxH.shape[1],
+        )
 
 
 def rope_cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -128,6 +165,33 @@ def resolve_attention(attention: str, dtype) -> str:
     return "cudnn" if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
 
 
+def attend(
+    q_BxTxNxH: jax.Array,
+    k_BxTxKxH: jax.Array,
+    v_BxTxKxH: jax.Array,
+    cache: KVCache | None,
+    *,
+    implementation: str,
+) -> tuple[jax.Array, KVCache | None]:
+    """Causal GQA attention (K kv heads serve N/K query heads each; cuDNN's fused kernel on GPU),
+    and the cache, if any, holding these tokens' keys and values too.
+
+    With one layer's cache the queries are at positions cache.length.., and each reads the
+    cached keys up to its own position."""
+    if cache is None:
+        o_BxTxNxH = jax.nn.dot_product_attention(
+            q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True, implementation=implementation
+        )
+        return o_BxTxNxH, None
+    T, S = q_BxTxNxH.shape[1], cache.k.shape[1]
+    visible_TxS = jnp.arange(S) <= (cache.length + jnp.arange(T))[:, None]
+    cache = cache.append(k_BxTxKxH, v_BxTxKxH)
+    o_BxTxNxH = jax.nn.dot_product_attention(
+        q_BxTxNxH, cache.k, cache.v, mask=visible_TxS[None, None], implementation=implementation
+    )
+    return o_BxTxNxH, cache
+
+
 def decoder_layer(
     p: dict[str, jax.Array],
     x_BxTxD: jax.Array,
@@ -141,8 +205,10 @@ def decoder_layer(
     linear: Callable[[jax.Array, jax.Array, str], jax.Array] = fp8.matmul,
     fuse_residual_norm: bool = False,
     fuse_qkv_grads: bool = False,
-) -> jax.Array:
+    cache: KVCache | None = None,
+) -> tuple[jax.Array, KVCache | None]:
     """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). Params cast to `dtype` here.
+    Returns the block's output and `cache` (one layer's, for decoding) with these tokens added.
 
     `linear(x, w, name)` is the q/k/v/o/gate/up/down matmul: `@` in `dtype`, or fp8
     (model/fp8.py, model/fp8_delayed.py, which needs the weight's name for its scales).
@@ -173,10 +239,7 @@ def decoder_layer(
     q_BxTxNxH = checkpoint_name(apply_rope(q.reshape(B, T, N, H), cos_BxTxH, sin_BxTxH), QKV)
     k_BxTxKxH = checkpoint_name(apply_rope(k.reshape(B, T, K, H), cos_BxTxH, sin_BxTxH), QKV)
     v_BxTxKxH = checkpoint_name(v.reshape(B, T, K, H), QKV)
-    # Causal GQA: K kv heads serve N/K query heads each; cuDNN's fused kernel on GPU.
-    o_BxTxNxH = jax.nn.dot_product_attention(
-        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True, implementation=attention
-    )
+    o_BxTxNxH, cache = attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, cache, implementation=attention)
     o_BxTxNxH = checkpoint_name(o_BxTxNxH, ATT)
     o_BxTxD = linear(o_BxTxNxH.reshape(B, T, N * H), w["o_proj"], "o_proj")
     if fuse_residual_norm:
@@ -194,7 +257,7 @@ def decoder_layer(
     gate_BxTxF = checkpoint_name(linear(h_BxTxD, w["gate_proj"], "gate_proj"), FFN)
     up_BxTxF = checkpoint_name(linear(h_BxTxD, w["up_proj"], "up_proj"), FFN)
     swiglu_BxTxF = checkpoint_name(jax.nn.silu(gate_BxTxF) * up_BxTxF, SWIGLU)
-    return x_BxTxD + linear(swiglu_BxTxF, w["down_proj"], "down_proj")
+    return x_BxTxD + linear(swiglu_BxTxF, w["down_proj"], "down_proj"), cache
 
 
 class Llama(nnx.Module):
@@ -275,6 +338,16 @@ class Llama(nnx.Module):
 
         fp8_amax: with fp8 block linears, delayed scaling's reference amaxes (fp8_delayed's
         [L] tree; their gradient is this step's amaxes); None: current scaling."""
+        return self._forward(tokens_BxT, positions_BxT, fp8_amax, None)[0]
+
+    def _forward(
+        self,
+        tokens_BxT: jax.Array,
+        positions_BxT: jax.Array | None,
+        fp8_amax: dict | None,
+        cache: KVCache | None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """__call__'s hidden states, and the cache, if any, with these tokens added."""
         cfg = self.cfg
         B, T = tokens_BxT.shape
         if cfg.sliding_window is not None and T > cfg.sliding_window:
@@ -287,14 +360,14 @@ class Llama(nnx.Module):
         cos, sin = rope_cos_sin(cfg, positions_BxT)
         x_BxTxD = self.constrain(self.embed(tokens_BxT))
 
-        def layer(x, p, amax):
+        def layer(x, p, amax, cache):
             if amax is None:
                 linear = fp8.linear_fn(self.linear_dtype, self.gradient_dtype, self.fp8_quantizer)
             else:
                 linear = fp8_delayed.linear_fn(
                     self.linear_dtype, self.gradient_dtype, amax, self.fp8_quantizer
                 )
-            x = decoder_layer(
+            x, cache = decoder_layer(
                 self.gather_layer(p),
                 x,
                 cos,
@@ -306,15 +379,16 @@ class Llama(nnx.Module):
                 linear=linear,
                 fuse_residual_norm=self.recompute.saves_all(),
                 fuse_qkv_grads=self.fuse_qkv_grads,
+                cache=cache,
             )
-            return self.constrain(x)
+            return self.constrain(x), cache
 
         # Inside scan, CSE cannot merge the recomputation into the forward: no barrier needed.
         layer = self.recompute.wrap(layer, prevent_cse=not self.scan_layers)
         stacked = self.layers.arrays()
         if self.scan_layers:
-            x_BxTxD, _ = jax.lax.scan(
-                lambda x, pa: (layer(x, *pa), None), x_BxTxD, (stacked, fp8_amax)
+            x_BxTxD, cache = jax.lax.scan(
+                lambda x, pac: layer(x, *pac), x_BxTxD, (stacked, fp8_amax, cache)
             )
         else:
             # One split per stacked weight rather than an index per layer: the split's gradient
@@ -322,12 +396,18 @@ class Llama(nnx.Module):
             # summed (on the 1B step's H200 profile, fusions at about 1 TB/s, about 4 ms).
             n = cfg.num_hidden_layers
             per_layer = {k: [p[0] for p in jnp.split(v, n)] for k, v in stacked.items()}
+            layer_caches = []
             for i in range(n):
-                amax = jax.tree.map(operator.itemgetter(i), fp8_amax)  # None stays None
-                x_BxTxD = layer(x_BxTxD, {k: v[i] for k, v in per_layer.items()}, amax)
-        return rms_norm(
+                amax, layer_cache = jax.tree.map(operator.itemgetter(i), (fp8_amax, cache))
+                x_BxTxD, layer_cache = layer(
+                    x_BxTxD, {k: v[i] for k, v in per_layer.items()}, amax, layer_cache
+                )
+                layer_caches.append(layer_cache)
+            cache = jax.tree.map(lambda *c: jnp.stack(c), *layer_caches)  # None stays None
+        h_BxTxD = rms_norm(
             x_BxTxD, self.norm[...].astype(self.dtype), cfg.rms_norm_eps, impl=self.norm_impl
         )
+        return h_BxTxD, cache
 
     def embed(self, tokens_BxT: jax.Array) -> jax.Array:
         """The tokens' embeddings [B, T, D] in the compute dtype.
@@ -346,8 +426,20 @@ class Llama(nnx.Module):
         return self.replicate(jnp.take(table_VxD, tokens_BxT, axis=0).astype(self.dtype))
 
     def logits(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None) -> jax.Array:
-        """Logits [B, T, V] in fp32 (for evaluation, parity tests and sampling; training fuses)."""
-        h_BxTxD = self(tokens_BxT, positions_BxT)
+        """Logits [B, T, V] in fp32 (for evaluation and parity tests; training fuses)."""
+        return self._head(self(tokens_BxT, positions_BxT))
+
+    def cached_logits(self, tokens_BxT: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Logits [B, T, V] in fp32 of tokens that continue the cache's (at positions
+        cache.length..), and the cache with them added: a prompt's prefill, or a decoding step."""
+        B, T = tokens_BxT.shape
+        positions_T = cache.length[0] + jnp.arange(T, dtype=jnp.int32)
+        h_BxTxD, cache = self._forward(
+            tokens_BxT, jnp.broadcast_to(positions_T, (B, T)), None, cache
+        )
+        return self._head(h_BxTxD), cache
+
+    def _head(self, h_BxTxD: jax.Array) -> jax.Array:
         return jnp.einsum(
             "btd,dv->btv", h_BxTxD, self.head_weight(), preferred_element_type=jnp.float32
         )
