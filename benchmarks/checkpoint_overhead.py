@@ -35,11 +35,11 @@ except ImportError:  # the GPU machine may lack it: stand in for the names the p
 import jax
 from absl import app, flags
 
-from jaxllmq import config
-from jaxllmq.bench import build_from_flags
 from jaxllmq.checkpoint import Checkpointing
 from jaxllmq.checkpoint_files import verify, write_file_list
-from jaxllmq.model.architecture import load_model_config
+from jaxllmq.cli import bench as bench_cli
+from jaxllmq.cli import flags as cli_flags
+from jaxllmq.settings import CheckpointConfig
 
 _normal_steps = flags.DEFINE_integer("normal_steps", 10, "Timed steps without a save.")
 _saves = flags.DEFINE_integer("saves", 2, "Checkpoints to time (one after another).")
@@ -64,11 +64,8 @@ def main(argv: list[str]) -> None:
     F = flags.FLAGS
     if _smoke.value:
         F.model, F.batch_size, F.seq_len, F.matmul_dtype = "tiny", 1, 64, "float32"
-    spec = config.model_spec_from_flags()
-    model_cfg = load_model_config(spec.model)
-    mesh_cfg = config.mesh_from_flags()
     t0 = time.perf_counter()
-    built, batch, mesh = build_from_flags(model_cfg, spec, mesh_cfg)
+    built, batch, mesh, model_cfg, spec = bench_cli.build_from_flags(argv)
     step, state = built.train_step, built.state
     for _ in range(3):  # compile and warm up
         state, _ = _timed(step, state, batch)
@@ -77,7 +74,7 @@ def main(argv: list[str]) -> None:
     directory = F.checkpoint_dir or tempfile.mkdtemp(prefix="jaxllmq-ckpt-overhead-")
     shutil.rmtree(directory, ignore_errors=True)
     ckpt = Checkpointing(
-        config.CheckpointConfig(checkpoint_dir=directory, ckpt_keep_n=1),
+        CheckpointConfig(checkpoint_dir=directory, ckpt_keep_n=1),
         run={"argv": sys.argv, "config": {}},
         model=model_cfg.to_hf_dict(),
         info=print,
@@ -159,8 +156,9 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    bench_cli.define_flags()
     flags.FLAGS.set_default("model", "llama-3.2-1b")
     flags.FLAGS.set_default("from_scratch", True)
     flags.FLAGS.set_default("batch_size", 8)
     flags.FLAGS.set_default("seq_len", 2048)
-    app.run(main, flags_parser=config.parse_argv)
+    app.run(main, flags_parser=cli_flags.parse_argv)

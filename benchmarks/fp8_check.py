@@ -32,8 +32,8 @@ import sys
 import jax
 from absl import app, flags
 
-from jaxllmq import config
-from jaxllmq.bench import build_from_flags, start_from_flags
+from jaxllmq.cli import bench as bench_cli
+from jaxllmq.cli import flags as cli_flags
 from jaxllmq.model.architecture import ModelConfig
 
 _hlo_dir = flags.DEFINE_string("hlo_dir", None, "Write the lowered and optimized HLO text here.")
@@ -134,11 +134,12 @@ def block_linear_flops(cfg: ModelConfig, tokens: int, tensor_parallel: int) -> f
 
 
 def main(argv: list[str]) -> None:
-    spec, model_cfg, mesh_cfg = start_from_flags(argv)  # with the trainer's XLA flags
-    if spec.linear_dtype is None:
-        sys.exit("error: give --matmul_dtype=e4m3 (this checks the fp8 path)")
     F = flags.FLAGS
-    built, batch, _ = build_from_flags(model_cfg, spec, mesh_cfg)
+    if F.matmul_dtype != "e4m3":
+        sys.exit("error: give --matmul_dtype=e4m3 (this checks the fp8 path)")
+    built, batch, mesh, model_cfg, spec = bench_cli.build_from_flags(
+        argv
+    )  # the trainer's XLA flags
     lowered = built.train_step.lower(built.state, batch)
     stablehlo = lowered.as_text()
     bodies = 1 if spec.scan_layers else model_cfg.num_hidden_layers
@@ -175,9 +176,7 @@ def main(argv: list[str]) -> None:
     print(f"optimized HLO ({jax.devices()[0].device_kind}, jax {jax.__version__}): GEMMs per step")
     for key, (n, flops) in sorted(by_kind.items()):
         print(f"  {n:5d}  {flops / 1e12:9.3f} TFLOP (text)  {key}")
-    expected = bodies * block_linear_flops(
-        model_cfg, F.batch_size * F.seq_len, mesh_cfg.tensor_parallel
-    )
+    expected = bodies * block_linear_flops(model_cfg, F.batch_size * F.seq_len, F.tensor_parallel)
     fp8_cublas = sum(g["flops"] for g in gemms if g["kind"] == CUBLAS_F8)
     fp8_any = sum(g["flops"] for g in gemms if g["fp8"])
     counted = fp8_any if _allow_triton.value else fp8_cublas
@@ -202,4 +201,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=config.parse_argv)
+    bench_cli.define_flags()
+    app.run(main, flags_parser=cli_flags.parse_argv)

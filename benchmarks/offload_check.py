@@ -15,13 +15,15 @@ from absl import app, flags
 
 from jaxllmq import train_step, xla_flags
 from jaxllmq.bench import synthetic_batch
+from jaxllmq.cli import bench as bench_cli
+from jaxllmq.cli import flags as cli_flags
 from jaxllmq.model.architecture import load_model_config
 from jaxllmq.model.recompute import Recompute
 from jaxllmq.offload import Offload
 from jaxllmq.parallel.mesh import make_mesh
 from jaxllmq.settings import ModelSpec, OptimConfig
 
-# --model and --matmul_dtype are the trainer's flags (jaxllmq.config, imported through bench).
+# --model and --matmul_dtype are the trainer's flags (defined by the bench command's define_flags).
 _steps = flags.DEFINE_integer("check_steps", 3, "Steps per switch.")
 
 SWITCHES = {
@@ -59,4 +61,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(app.run(main))
+    bench_cli.define_flags()
+    sys.exit(app.run(main, flags_parser=cli_flags.parse_argv))

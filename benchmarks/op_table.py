@@ -28,7 +28,9 @@ os.environ["XLA_FLAGS"] = " ".join(
 
 from absl import app, flags  # noqa: E402  (XLA_FLAGS must be set before jax starts)
 
-from jaxllmq import bench, config, profile, xla_flags  # noqa: E402
+from jaxllmq import profile, xla_flags  # noqa: E402
+from jaxllmq.cli import bench as bench_cli  # noqa: E402
+from jaxllmq.cli import flags as cli_flags  # noqa: E402
 
 _KINDS = [name for name, _ in profile.CATEGORIES]
 _kinds = flags.DEFINE_list(
@@ -49,7 +51,7 @@ def main(argv: list[str]) -> None:
     xla_flags.apply_defaults(deterministic=flags.FLAGS.deterministic)
     with tempfile.TemporaryDirectory() as trace:
         with profile.trace_steps(trace):
-            bench.main(argv)
+            bench_cli.run(argv)
         dumps = glob.glob(os.path.join(DUMP, "*train_step*after_optimizations.txt"))
         if not dumps:
             raise SystemExit(f"error: no train step in the XLA dump under {DUMP}")
@@ -61,4 +63,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=config.parse_argv)
+    bench_cli.define_flags()
+    app.run(main, flags_parser=cli_flags.parse_argv)
