@@ -25,7 +25,7 @@ from jaxllmq.data.pipeline import to_global_arrays
 from jaxllmq.kernels import parse_kernels
 from jaxllmq.log import PEAK_FLOPS_BF16
 from jaxllmq.model.architecture import PRESETS, ModelConfig, load_model_config
-from jaxllmq.parallel.mesh import TENSOR, MeshError, initialize_distributed, make_mesh
+from jaxllmq.parallel.mesh import MeshError, batch_rows, initialize_distributed, make_mesh
 
 _bench_steps = flags.DEFINE_integer("bench_steps", 20, "Timed steps.", lower_bound=1)
 _bench_warmup = flags.DEFINE_integer(
@@ -113,7 +113,7 @@ def build_synthetic(
         lmhead_chunks=lmhead_chunks,
         zero_level=zero_level,
     )
-    rows = batch_size * (mesh.size // mesh.shape[TENSOR])
+    rows = batch_rows(mesh, batch_size)
     local = synthetic_batch(
         model_cfg, grad_accumulation, rows // jax.process_count(), seq_len, seed=jax.process_index()
     )
@@ -210,7 +210,7 @@ def run_bench(
     """Compile, warm up and time the train step; returns the measurements."""
     mesh = make_mesh(gpus, tensor_parallel=tensor_parallel)
     n_dev = mesh.size
-    rows = batch_size * (n_dev // tensor_parallel)
+    rows = batch_rows(mesh, batch_size)
     t0 = time.perf_counter()
     built, batch = build_synthetic(
         model_cfg,

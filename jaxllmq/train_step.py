@@ -30,7 +30,7 @@ from jaxllmq.optim import (
     nonfinite_counts,
 )
 from jaxllmq.parallel import rules
-from jaxllmq.parallel.mesh import BATCH_AXES, DATA, FSDP, TENSOR, batch_sharding, replicated
+from jaxllmq.parallel.mesh import BATCH_AXES, TENSOR, batch_devices, batch_sharding, replicated
 from jaxllmq.parallel.rules import check_tensor_parallel
 
 
@@ -268,7 +268,7 @@ def gather_embed_below(vocab: int, mesh: jax.sharding.Mesh, zero_level: int) -> 
     Not under tensor parallelism: the vocab-split table's lookup is summed over the tensor axis,
     which for the whole batch would cost the forward pass what the backward saves (unmeasured).
     """
-    if mesh.shape[DATA] * mesh.shape[FSDP] == 1 or mesh.shape[TENSOR] > 1:
+    if batch_devices(mesh) == 1 or mesh.shape[TENSOR] > 1:
         return 0
     return vocab * (2 if zero_level == 1 else 1)
 

@@ -23,7 +23,7 @@ from jaxllmq.log import PEAK_FLOPS_BF16, RunLog
 from jaxllmq.model import hf
 from jaxllmq.model.architecture import load_model_config
 from jaxllmq.optim import NonFiniteError, check_nonfinite, lr_schedule
-from jaxllmq.parallel.mesh import make_mesh, replicated
+from jaxllmq.parallel.mesh import batch_rows, make_mesh, replicated
 from jaxllmq.preemption import Preemption
 from jaxllmq.telemetry import Nvml, device_records
 from jaxllmq.train_step import Batch, build, kernel_choices
@@ -96,8 +96,7 @@ class Trainer:
             devices=list(self.mesh.devices.flat),
         )
         d = cfg.data
-        # Rows per micro-batch: --batch_size per device, a tensor-parallel group sharing its rows.
-        self.rows = d.batch_size * (n_dev // m.tensor_parallel)
+        self.rows = batch_rows(self.mesh, d.batch_size)
         self.train_data = TokenBatches(
             d.train_files,
             seq_len=d.seq_len,
