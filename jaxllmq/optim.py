@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxllmq.dtypes import DTYPES
+
 SCHEDULES = ("cosine", "linear", "wsd")
-MOMENT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +53,8 @@ class OptimConfig:
         check(self.adam_epsilon > 0, "adam_epsilon", "> 0")
         check(self.weight_decay >= 0, "weight_decay", ">= 0")
         check(self.grad_clip >= 0, "grad_clip", ">= 0 (0 disables clipping)")
-        check(self.opt_m_dtype in MOMENT_DTYPES, "opt_m_dtype", "float32 or bfloat16")
-        check(self.opt_v_dtype in MOMENT_DTYPES, "opt_v_dtype", "float32 or bfloat16")
+        check(self.opt_m_dtype in DTYPES, "opt_m_dtype", " or ".join(DTYPES))
+        check(self.opt_v_dtype in DTYPES, "opt_v_dtype", " or ".join(DTYPES))
         check(self.max_nonfinite >= 1, "max_nonfinite", ">= 1 (1 stops at the first)")
         if self.lr_schedule == "wsd" and self.cooldown == 0 and self.final_lr_fraction != 1.0:
             raise ValueError(
@@ -211,8 +212,8 @@ def make_optimizer(
             cfg.beta_1,
             cfg.beta_2,
             cfg.adam_epsilon,
-            MOMENT_DTYPES[cfg.opt_m_dtype],
-            MOMENT_DTYPES[cfg.opt_v_dtype],
+            DTYPES[cfg.opt_m_dtype],
+            DTYPES[cfg.opt_v_dtype],
         )
     )
     if cfg.weight_decay > 0:

@@ -16,6 +16,7 @@ from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllmq.config import ModelSpec
+from jaxllmq.dtypes import DTYPES
 from jaxllmq.kernels import KERNELS, resolve_impl
 from jaxllmq.kernels.fp8_quantize import Quantizer
 from jaxllmq.kernels.lm_head_loss import lm_head_loss, lm_head_loss_sharded
@@ -221,7 +222,7 @@ def init_params(
         model = Llama(
             model_cfg,
             rngs=nnx.Rngs(seed),
-            param_dtype=jnp.dtype(spec.model_dtype),
+            param_dtype=DTYPES[spec.model_dtype],
             init_proj_to_zero=spec.init_proj_to_zero,
         )
         return params_of(model)
@@ -311,8 +312,8 @@ def build(
     loss = LmHeadLoss(loss_impl, lmhead_chunks, loss_mesh)
     quantizer = Quantizer(impls["fp8_quantize"], per_device(impls["fp8_quantize"]), BATCH_AXES)
     model_kwargs = dict(
-        param_dtype=jnp.dtype(spec.model_dtype),
-        dtype=jnp.dtype(spec.matmul_dtype),
+        param_dtype=DTYPES[spec.model_dtype],
+        dtype=DTYPES[spec.matmul_dtype],
         scan_layers=spec.scan_layers,
         attention=spec.attention,
         norm_impl=norm_impl,

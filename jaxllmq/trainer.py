@@ -10,13 +10,13 @@ import time
 from collections.abc import Iterator
 
 import jax
-import jax.numpy as jnp
 
 from jaxllmq import memory, runlock
 from jaxllmq.checkpoint import Checkpointing
 from jaxllmq.checkpoint_files import CheckpointError
 from jaxllmq.config import ConfigError, TrainConfig, check_seq_len
 from jaxllmq.data.pipeline import TokenBatches, to_global_arrays
+from jaxllmq.dtypes import DTYPES
 from jaxllmq.export import tokenizer_dir
 from jaxllmq.generate import GenerateError, Sampler
 from jaxllmq.log import PEAK_FLOPS_BF16, RunLog
@@ -295,7 +295,7 @@ class Trainer:
                 source,
                 cfg.sample_prompts,
                 max_new_tokens=cfg.sample_max_new_tokens,
-                dtype=jnp.dtype(cfg.model.matmul_dtype),
+                dtype=DTYPES[cfg.model.matmul_dtype],
                 out_sharding=replicated(self.mesh),
             )
         except GenerateError as e:
