@@ -23,7 +23,7 @@ from jaxllmq import profile, train_step
 from jaxllmq.data.pipeline import to_global_arrays
 from jaxllmq.log import PEAK_FLOPS_BF16
 from jaxllmq.model.architecture import ModelConfig
-from jaxllmq.parallel.mesh import TENSOR, make_mesh
+from jaxllmq.parallel.mesh import batch_rows, make_mesh
 from jaxllmq.setting import Settings, setting
 from jaxllmq.settings import DataConfig, MeshConfig, ModelSpec, OptimConfig
 
@@ -107,7 +107,7 @@ def build_synthetic(
         lmhead_chunks=spec.lmhead_chunks,
         zero_level=zero_level,
     )
-    rows = data.batch_size * (mesh.size // mesh.shape[TENSOR])
+    rows = batch_rows(mesh, data.batch_size)
     local = synthetic_batch(
         model_cfg,
         data.grad_accumulation,
@@ -145,7 +145,7 @@ def run_bench(
     """Compile, warm up and time the train step; returns the measurements."""
     mesh = make_mesh(mesh_cfg.gpus, tensor_parallel=mesh_cfg.tensor_parallel)
     n_dev = mesh.size
-    rows = data.batch_size * (n_dev // mesh_cfg.tensor_parallel)
+    rows = batch_rows(mesh, data.batch_size)
     seq_len, grad_accumulation = data.seq_len, data.grad_accumulation
     steps, pgle_steps, profile_steps = bench.bench_steps, bench.pgle_steps, bench.profile_steps
     t0 = time.perf_counter()

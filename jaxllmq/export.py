@@ -12,17 +12,15 @@ import sys
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 from absl import app, flags
 
 from jaxllmq import checkpoint_files, runlock
 from jaxllmq.atomic_dir import AtomicDirError
+from jaxllmq.dtypes import DTYPES
 from jaxllmq.memory import check_loadable
 from jaxllmq.model import ModelConfigError, hf
 from jaxllmq.model.architecture import ModelConfig
 from jaxllmq.model.llama import abstract_model
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def tokenizer_dir(model: str, train_files: Sequence[str]) -> str | None:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxllmq.dtypes import DTYPES
 from jaxllmq.model.architecture import ModelConfig, ModelConfigError
 from jaxllmq.xla_flags import host_memory_bytes
 
@@ -31,10 +32,6 @@ def device_memory_bytes(devices: Sequence[jax.Device]) -> int | None:
     return sum(limits) * len(devices) // len(local)
 
 
-def _itemsize(dtype) -> int:
-    return jnp.dtype(dtype).itemsize
-
-
 def check_training_fits(
     cfg: ModelConfig,
     source: str,
@@ -52,7 +49,7 @@ def check_training_fits(
         return
     params = cfg.num_params()
     dtypes = (model_dtype, GRADIENT_DTYPE, opt_m_dtype, opt_v_dtype)
-    need = params * sum(_itemsize(d) for d in dtypes)
+    need = params * sum(DTYPES[d].itemsize for d in dtypes)
     platform = devices[0].platform
     where = f"{len(devices)} {platform} device{'s' if len(devices) > 1 else ''}"
     if platform == "cpu":
@@ -72,7 +69,7 @@ def check_loadable(cfg: ModelConfig, source: str, dtype, device: jax.Device) -> 
     """Refuse loading a model whose parameters in `dtype` alone exceed `device`'s memory."""
     have = device_memory_bytes([device])
     params = cfg.num_params()
-    need = params * _itemsize(dtype)
+    need = params * jnp.dtype(dtype).itemsize
     if have is not None and need > have:
         raise ModelConfigError(
             f"{source}: {params:,} parameters need {need / GIB:,.1f} GiB in "

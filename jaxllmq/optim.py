@@ -12,9 +12,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxllmq.dtypes import DTYPES
 from jaxllmq.settings import OptimConfig
-
-MOMENT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -166,8 +165,8 @@ def make_optimizer(
             cfg.beta_1,
             cfg.beta_2,
             cfg.adam_epsilon,
-            MOMENT_DTYPES[cfg.opt_m_dtype],
-            MOMENT_DTYPES[cfg.opt_v_dtype],
+            DTYPES[cfg.opt_m_dtype],
+            DTYPES[cfg.opt_v_dtype],
         )
     )
     if cfg.weight_decay > 0:

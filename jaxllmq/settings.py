@@ -8,6 +8,7 @@ TrainConfig validates itself on construction and raises SettingError naming the 
 import dataclasses
 import os
 
+from jaxllmq import dtypes
 from jaxllmq.data.shards import expand_files
 from jaxllmq.kernels import parse_kernels
 from jaxllmq.model.architecture import PRESETS, ModelConfig
@@ -15,10 +16,10 @@ from jaxllmq.model.recompute import Recompute
 from jaxllmq.offload import Offload
 from jaxllmq.setting import DTYPE_SPELLINGS, Resume, SettingError, Settings, section, setting
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = tuple(dtypes.DTYPES)
 # llmq's fp8 matmul dtype: activations in bfloat16, the block linears' GEMMs in fp8.
 FP8_MATMUL = ("e4m3",)
-FP8_GRADIENT = ("e4m3", "e5m2")
+FP8_GRADIENT = tuple(dtypes.FP8_DTYPES)
 SCHEDULES = ("cosine", "linear", "wsd")
 ATTENTIONS = ("auto", "xla", "cudnn")
 ZERO_LEVELS = (1, 2, 3)

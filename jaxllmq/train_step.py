@@ -15,6 +15,7 @@ from flax import nnx
 from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxllmq.dtypes import DTYPES
 from jaxllmq.kernels import KERNELS, resolve_impl
 from jaxllmq.kernels.fp8_quantize import Quantizer
 from jaxllmq.kernels.lm_head_loss import lm_head_loss, lm_head_loss_sharded
@@ -28,7 +29,7 @@ from jaxllmq.optim import (
     nonfinite_counts,
 )
 from jaxllmq.parallel import rules
-from jaxllmq.parallel.mesh import BATCH_AXES, DATA, FSDP, TENSOR, batch_sharding, replicated
+from jaxllmq.parallel.mesh import BATCH_AXES, TENSOR, batch_devices, batch_sharding, replicated
 from jaxllmq.parallel.rules import check_tensor_parallel
 from jaxllmq.settings import ModelSpec, OptimConfig
 
@@ -220,7 +221,7 @@ def init_params(
         model = Llama(
             model_cfg,
             rngs=nnx.Rngs(seed),
-            param_dtype=jnp.dtype(spec.model_dtype),
+            param_dtype=DTYPES[spec.model_dtype],
             init_proj_to_zero=spec.init_proj_to_zero,
         )
         return params_of(model)
@@ -267,7 +268,7 @@ def gather_embed_below(vocab: int, mesh: jax.sharding.Mesh, zero_level: int) -> 
     Not under tensor parallelism: the vocab-split table's lookup is summed over the tensor axis,
     which for the whole batch would cost the forward pass what the backward saves (unmeasured).
     """
-    if mesh.shape[DATA] * mesh.shape[FSDP] == 1 or mesh.shape[TENSOR] > 1:
+    if batch_devices(mesh) == 1 or mesh.shape[TENSOR] > 1:
         return 0
     return vocab * (2 if zero_level == 1 else 1)
 
@@ -310,8 +311,8 @@ def build(
     loss = LmHeadLoss(loss_impl, lmhead_chunks, loss_mesh)
     quantizer = Quantizer(impls["fp8_quantize"], per_device(impls["fp8_quantize"]), BATCH_AXES)
     model_kwargs = dict(
-        param_dtype=jnp.dtype(spec.model_dtype),
-        dtype=jnp.dtype(spec.compute_dtype),
+        param_dtype=DTYPES[spec.model_dtype],
+        dtype=DTYPES[spec.compute_dtype],
         scan_layers=spec.scan_layers,
         attention=spec.attention_request,
         norm_impl=norm_impl,

@@ -10,19 +10,19 @@ import time
 from collections.abc import Iterator
 
 import jax
-import jax.numpy as jnp
 
 from jaxllmq import memory, runlock
 from jaxllmq.checkpoint import Checkpointing
 from jaxllmq.checkpoint_files import CheckpointError
 from jaxllmq.data.pipeline import TokenBatches, to_global_arrays
+from jaxllmq.dtypes import DTYPES
 from jaxllmq.export import tokenizer_dir
 from jaxllmq.generate import GenerateError, Sampler
 from jaxllmq.log import PEAK_FLOPS_BF16, RunLog
 from jaxllmq.model import hf
 from jaxllmq.model.architecture import load_model_config
 from jaxllmq.optim import NonFiniteError, check_nonfinite, lr_schedule
-from jaxllmq.parallel.mesh import make_mesh, replicated
+from jaxllmq.parallel.mesh import batch_rows, make_mesh, replicated
 from jaxllmq.preemption import Preemption
 from jaxllmq.setting import SettingError
 from jaxllmq.settings import TrainConfig
@@ -97,8 +97,7 @@ class Trainer:
             devices=list(self.mesh.devices.flat),
         )
         d = cfg.data
-        # Rows per micro-batch: --batch_size per device, a tensor-parallel group sharing its rows.
-        self.rows = d.batch_size * (n_dev // m.tensor_parallel)
+        self.rows = batch_rows(self.mesh, d.batch_size)
         self.train_data = TokenBatches(
             d.train_files,
             seq_len=d.seq_len,
@@ -297,7 +296,7 @@ class Trainer:
                 source,
                 cfg.sample_prompts,
                 max_new_tokens=cfg.sample_max_new_tokens,
-                dtype=jnp.dtype(cfg.model.compute_dtype),
+                dtype=DTYPES[cfg.model.compute_dtype],
                 out_sharding=replicated(self.mesh),
             )
         except GenerateError as e:

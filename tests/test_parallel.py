@@ -12,7 +12,7 @@ from jaxllmq import train_step
 from jaxllmq.bench import synthetic_batch
 from jaxllmq.model.architecture import preset
 from jaxllmq.parallel import rules
-from jaxllmq.parallel.mesh import make_mesh
+from jaxllmq.parallel.mesh import batch_rows, make_mesh
 from jaxllmq.settings import ModelSpec, OptimConfig
 
 CFG = dataclasses.replace(preset("tiny"), num_hidden_layers=2, vocab_size=512)
@@ -174,6 +174,12 @@ def test_xla_loss_runs_per_device_without_tensor_parallelism():
         # The locations name the function that placed each op (other shard_maps gather weights).
         lowered = built.train_step.lower(built.state, batch).as_text(debug_info=True)
         assert ("lm_head_loss_sharded" in lowered) == per_device, tp
+
+
+def test_a_batch_has_batch_size_rows_per_data_and_fsdp_device():
+    assert batch_rows(make_mesh(8), 3) == 24
+    assert batch_rows(make_mesh(8, tensor_parallel=2), 3) == 12  # a tensor group shares rows
+    assert batch_rows(make_mesh(8, tensor_parallel=2, data_parallel=2), 3) == 12
 
 
 def test_tensor_parallel_that_does_not_divide_is_refused():

@@ -183,15 +183,15 @@ class TokenBatches:
         self.prefetch, self.num_threads, self.num_workers = prefetch, num_threads, num_workers
         reader = _WindowReader(self.files, seq_len + 1)
         self.num_windows = reader.num_windows
-        rows_per_step = grad_accumulation * batch_size
-        self.steps_per_epoch = self.num_windows // rows_per_step
+        self.rows_per_step = grad_accumulation * batch_size
+        self.steps_per_epoch = self.num_windows // self.rows_per_step
         if self.steps_per_epoch == 0:
             raise ShardError(
                 f"{flag_name}: {len(self.files)} file(s) ({name_files(self.files)}) hold "
                 f"{self.num_windows} windows of "
                 f"--seq_len+1={seq_len + 1} tokens, fewer than one step needs "
                 f"(grad_accumulation {grad_accumulation} x global batch {batch_size} = "
-                f"{rows_per_step}); give more data or lower --batch_size / --seq_len"
+                f"{self.rows_per_step}); give more data or lower --batch_size / --seq_len"
             )
         shape = (grad_accumulation, batch_size, process_index, batch_size // process_count)
         self._loader = _StepLoader(reader, _Order(self.num_windows, seed, shuffle), shape)
@@ -256,7 +256,7 @@ class TokenBatches:
             "shuffle": self.shuffle,
             "num_windows": self.num_windows,
             "seq_len": self.seq_len,
-            "rows_per_step": self.grad_accumulation * self.batch_size,
+            "rows_per_step": self.rows_per_step,
         }
 
     @functools.cached_property

@@ -23,7 +23,6 @@ import json
 import multiprocessing
 import os
 import pathlib
-import shutil
 import sys
 import sysconfig
 import time
@@ -33,11 +32,9 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxllmq.data.shards import ShardError, ShardWriter, expand_files
+from jaxllmq.tokenizer_files import copy_tokenizer_files
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
-                   "chat_template.jinja")  # fmt: skip
 QUICKSTART_EOS = "<|endoftext|>"
 CHUNK_CHARS = 1 << 20  # text per worker task: big enough to amortize the hand-off
 
@@ -417,17 +414,6 @@ def _prepare_out_dir(out_dir: str, overwrite: bool) -> None:
         os.remove(path)
 
 
-def copy_tokenizer_files(tokenizer_json: str, config_dir: str, out_dir: str) -> None:
-    """Copy tokenizer.json and the tokenizer files beside it into out_dir."""
-    sources = [tokenizer_json] + [os.path.join(config_dir, n) for n in TOKENIZER_FILES[1:]]
-    for source, name in zip(sources, TOKENIZER_FILES, strict=True):
-        target = os.path.join(out_dir, name)
-        if os.path.isfile(source) and not (
-            os.path.exists(target) and os.path.samefile(source, target)
-        ):
-            shutil.copyfile(source, target)
-
-
 def run(args: argparse.Namespace) -> dict:
     """Tokenize per `args` into args.out_dir; returns the summary it prints."""
     start = time.perf_counter()
@@ -445,7 +431,7 @@ def run(args: argparse.Namespace) -> dict:
         tokenizer = Tokenizer.from_file(tokenizer_json)
         eos_id = resolve_eos(tokenizer, config_dir, args.eos_token)
         _prepare_out_dir(args.out_dir, args.overwrite)
-        copy_tokenizer_files(tokenizer_json, config_dir, args.out_dir)
+        copy_tokenizer_files(config_dir, args.out_dir, tokenizer_json)
         fields = (args.text_field, args.prompt_field, args.response_field)
         docs = read_documents(paths, fields, args.txt_documents)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)

@@ -49,9 +49,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxllmq.dtypes import FP8_DTYPES
 from jaxllmq.kernels.fp8_quantize import XLA_QUANTIZER, Quantizer, quantize
-
-FP8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 
 
 def fp8_dtype(name: str):

@@ -7,7 +7,6 @@ index above `max_shard_bytes`, loadable by `transformers.AutoModelForCausalLM.fr
 
 import json
 import os
-import shutil
 from collections.abc import Callable, Iterator
 
 import jax
@@ -21,6 +20,7 @@ from jaxllmq import atomic_dir
 from jaxllmq.memory import check_loadable
 from jaxllmq.model.architecture import ModelConfig
 from jaxllmq.model.llama import Llama, abstract_model, params_of
+from jaxllmq.tokenizer_files import copy_tokenizer_files
 
 # Our parameter path -> (HF tensor name, stored transposed). HF stores Linear weights [out, in],
 # we store [in, out]. Per-layer names carry {i} and are stacked on our leading [L] axis.
@@ -45,15 +45,6 @@ TOP_NAMES: dict[str, tuple[str, bool]] = {
 }
 # Buffers some older checkpoints carry that hold no parameters.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "generation_config.json",
-)
 _DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 
@@ -342,16 +333,6 @@ def _hf_shapes(cfg: ModelConfig, params: dict, dtype) -> Iterator[tuple[str, tup
         x = params[key[0]] if len(key) == 1 else params["layers"][key[1]]
         shape = x.shape if layer is None else x.shape[1:]
         yield name, (shape[::-1] if transposed else shape, _np_dtype(dtype or x.dtype))
-
-
-def copy_tokenizer_files(src: str, dst: str) -> list[str]:
-    """Copy the tokenizer files present in `src` into `dst`; returns the names copied."""
-    copied = []
-    for name in TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(src, name)) and os.path.abspath(src) != os.path.abspath(dst):
-            shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
-            copied.append(name)
-    return copied
 
 
 def from_pretrained(path: str, **model_kwargs) -> Llama:

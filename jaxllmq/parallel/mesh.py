@@ -1,5 +1,6 @@
 """The device mesh (data x fsdp x tensor), the batch's sharding over it, multi-host start-up."""
 
+import math
 import os
 
 import jax
@@ -49,6 +50,17 @@ def make_mesh(gpus: int = 0, *, tensor_parallel: int = 1, data_parallel: int = 1
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """[acc, B, T] batches: rows (axis 1) split over the data and fsdp axes."""
     return NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))
+
+
+def batch_devices(mesh: Mesh) -> int:
+    """Devices the batch's rows are split over (data x fsdp); a tensor-parallel group shares its
+    rows."""
+    return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+
+
+def batch_rows(mesh: Mesh, batch_size: int) -> int:
+    """Rows (sequences) of a global micro-batch: `batch_size` per batch device."""
+    return batch_size * batch_devices(mesh)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

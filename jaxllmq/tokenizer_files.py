@@ -1,0 +1,30 @@
+"""The Hugging Face tokenizer files that travel with a model or a tokenized data set."""
+
+import os
+import shutil
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def copy_tokenizer_files(src_dir: str, dst_dir: str, tokenizer_json: str | None = None) -> None:
+    """Copy the tokenizer files present in `src_dir` into `dst_dir`; tokenizer.json is read from
+    `tokenizer_json` where given (a file that may stand elsewhere or have another name)."""
+    sources = {name: os.path.join(src_dir, name) for name in TOKENIZER_FILES}
+    if tokenizer_json is not None:
+        sources["tokenizer.json"] = tokenizer_json
+    for name, source in sources.items():
+        target = os.path.join(dst_dir, name)
+        if os.path.isfile(source) and not (
+            os.path.exists(target) and os.path.samefile(source, target)
+        ):
+            shutil.copyfile(source, target)
