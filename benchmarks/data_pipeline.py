@@ -25,6 +25,7 @@ import tempfile
 import time
 
 import numpy as np
+from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxllmq.data.pipeline import TokenBatches  # noqa: E402
@@ -75,6 +76,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5000, help="timed steps per configuration")
     parser.add_argument("--skip_prepare", action="store_true", help="time the pipeline only")
     args = parser.parse_args()
+    flags.FLAGS.mark_as_parsed()  # Grain starts worker processes only once absl flags are parsed
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
         print(f"{os.cpu_count()} cores, load average {load} (other work shares the cores)")

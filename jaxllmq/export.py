@@ -7,20 +7,39 @@ model is rebuilt from the config the checkpoint holds, its parameters are read o
 OUT gets config.json + safetensors + the tokenizer files, as the trainer's --out_dir does.
 """
 
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
 
 import jax
-from absl import app, flags
 
-from jaxllmq import checkpoint_files, runlock
-from jaxllmq.atomic_dir import AtomicDirError
+from jaxllmq import checkpoint_files
 from jaxllmq.dtypes import DTYPES
 from jaxllmq.memory import check_loadable
-from jaxllmq.model import ModelConfigError, hf
+from jaxllmq.model import hf
 from jaxllmq.model.architecture import ModelConfig
 from jaxllmq.model.llama import abstract_model
+from jaxllmq.setting import DTYPE_SPELLINGS, SettingError, Settings, setting
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig(Settings):
+    """Export: which checkpoint, and where its Hugging Face model directory goes."""
+
+    checkpoint: str = setting(None, "A checkpoint DIR/STEP, or DIR (its newest).")
+    out_dir: str = setting(None, "Where the HF model directory goes.")
+    tokenizer_dir: str | None = setting(
+        None, "Copy tokenizer files from here (default: as the run did)."
+    )
+    dtype: str | None = setting(
+        None, "dtype on disk (default: trained).", choices=tuple(DTYPES), spellings=DTYPE_SPELLINGS
+    )
+
+    def check(self) -> None:
+        for flag in ("checkpoint", "out_dir"):
+            if getattr(self, flag) is None:
+                raise SettingError(f"--{flag} is required")
 
 
 def tokenizer_dir(model: str, train_files: Sequence[str]) -> str | None:
@@ -69,47 +88,7 @@ def export_checkpoint(
     return path
 
 
-def _define_flags() -> dict[str, flags.FlagHolder]:
-    # Only when run as the CLI: the trainer imports this module beside its own --out_dir flag.
-    return {
-        "checkpoint": flags.DEFINE_string(
-            "checkpoint", None, "A checkpoint DIR/STEP, or DIR (its newest)."
-        ),
-        "out_dir": flags.DEFINE_string("out_dir", None, "Where the HF model directory goes."),
-        "tokenizer_dir": flags.DEFINE_string(
-            "tokenizer_dir", None, "Copy tokenizer files from here (default: as the run did)."
-        ),
-        "dtype": flags.DEFINE_enum(
-            "dtype", None, list(DTYPES), "dtype on disk (default: trained)."
-        ),
-    }
-
-
-def main(argv: list[str], flag: dict[str, flags.FlagHolder]) -> None:
-    if len(argv) > 1:
-        sys.exit(f"error: unexpected arguments {argv[1:]} (flags are --name=value)")
-    out_dir = flag["out_dir"].value
-    try:
-        with runlock.RunLock([("--out_dir", out_dir)], sys.argv) as lock:
-            for note in lock.notes:  # stale locks taken over
-                print(note)
-            path = export_checkpoint(
-                flag["checkpoint"].value,
-                out_dir,
-                tokenizer=flag["tokenizer_dir"].value,
-                dtype=flag["dtype"].value,
-            )
-    except (
-        checkpoint_files.CheckpointError,
-        ModelConfigError,
-        AtomicDirError,
-        runlock.RunLockError,
-    ) as e:
-        sys.exit(f"error: {e}")
-    print(f"exported {path} to {out_dir}")
-
-
 if __name__ == "__main__":
-    _flag = _define_flags()
-    flags.mark_flags_as_required(["checkpoint", "out_dir"])
-    app.run(lambda argv: main(argv, _flag))
+    from jaxllmq.cli.export import main
+
+    main()

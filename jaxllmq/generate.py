@@ -12,23 +12,22 @@ uses `Sampler`.
 Shape letters as in model/llama.py, plus P prompt length, M new tokens.
 """
 
+import dataclasses
 import json
 import os
-import sys
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
 from flax import nnx
 from tokenizers import Tokenizer
 
-from jaxllmq import checkpoint_files
 from jaxllmq.export import load_checkpoint, tokenizer_dir
-from jaxllmq.model import CheckpointFormatError, ModelConfigError, hf
+from jaxllmq.model import hf
 from jaxllmq.model.architecture import ModelConfig
 from jaxllmq.model.llama import KVCache, abstract_model, params_of
+from jaxllmq.setting import Settings, setting
 
 
 class GenerateError(ValueError):
@@ -191,6 +190,20 @@ class Sampler:
 # ---- the CLI ----
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerateConfig(Settings):
+    """Generation: which model, the prompt, and how to sample."""
+
+    model: str | None = setting(None, "An HF model directory (e.g. exported).")
+    checkpoint: str | None = setting(None, "A checkpoint DIR/STEP, or DIR (its newest).")
+    prompt: str | None = setting(None, "The text to continue.")
+    max_new_tokens: int = setting(64, "Tokens to generate.")
+    temperature: float = setting(0.8, "Softmax temperature; 0 = greedy.")
+    top_p: float = setting(0.95, "Nucleus sampling: keep this much mass.")
+    seed: int = setting(0, "Sampling seed (same seed, same text).")
+    num_samples: int = setting(1, "Continuations to sample.")
+
+
 def load(
     model: str | None = None, checkpoint_spec: str | None = None
 ) -> tuple[ModelConfig, dict, str | None]:
@@ -213,11 +226,11 @@ def generate(
     tokenizer_dir: str | None,
     prompt: str,
     *,
-    max_new_tokens: int = 64,
-    temperature: float = 0.8,
-    top_p: float = 0.95,
-    seed: int = 0,
-    num_samples: int = 1,
+    max_new_tokens: int = GenerateConfig.max_new_tokens,
+    temperature: float = GenerateConfig.temperature,
+    top_p: float = GenerateConfig.top_p,
+    seed: int = GenerateConfig.seed,
+    num_samples: int = GenerateConfig.num_samples,
 ) -> list[str]:
     """num_samples continuations of `prompt` (the new text only)."""
     if max_new_tokens < 1 or num_samples < 1:
@@ -244,51 +257,7 @@ def generate(
     return [tok.decode(cut_at_eos(row, eos_ids)) for row in np.asarray(new)]
 
 
-def _define_flags() -> dict[str, flags.FlagHolder]:
-    return {
-        "model": flags.DEFINE_string("model", None, "An HF model directory (e.g. exported)."),
-        "checkpoint": flags.DEFINE_string(
-            "checkpoint", None, "A checkpoint DIR/STEP, or DIR (its newest)."
-        ),
-        "prompt": flags.DEFINE_string("prompt", None, "The text to continue."),
-        "max_new_tokens": flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate."),
-        "temperature": flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 = greedy."),
-        "top_p": flags.DEFINE_float("top_p", 0.95, "Nucleus sampling: keep this much mass."),
-        "seed": flags.DEFINE_integer("seed", 0, "Sampling seed (same seed, same text)."),
-        "num_samples": flags.DEFINE_integer("num_samples", 1, "Continuations to sample."),
-    }
-
-
-def main(argv: list[str], flag: dict[str, flags.FlagHolder]) -> None:
-    if len(argv) > 1:
-        sys.exit(f"error: unexpected arguments {argv[1:]} (flags are --name=value)")
-    v = {name: holder.value for name, holder in flag.items()}
-    try:
-        cfg, params, tok_dir = load(v["model"], v["checkpoint"])
-        texts = generate(
-            cfg,
-            params,
-            tok_dir,
-            v["prompt"] or "",
-            max_new_tokens=v["max_new_tokens"],
-            temperature=v["temperature"],
-            top_p=v["top_p"],
-            seed=v["seed"],
-            num_samples=v["num_samples"],
-        )
-    except (
-        GenerateError,
-        checkpoint_files.CheckpointError,
-        ModelConfigError,
-        CheckpointFormatError,
-    ) as e:
-        sys.exit(f"error: {e}")
-    for i, text in enumerate(texts):
-        if len(texts) > 1:
-            print(f"--- sample {i + 1}")
-        print(v["prompt"] + text)
-
-
 if __name__ == "__main__":
-    _flag = _define_flags()
-    app.run(lambda argv: main(argv, _flag))
+    from jaxllmq.cli.generate import main
+
+    main()

@@ -22,17 +22,29 @@ import re
 from collections.abc import Sequence
 
 import numpy as np
-from absl import app, flags
 
-_out = flags.DEFINE_string("out", "curves.png", "Where to write the PNG.")
-_names = flags.DEFINE_list("names", None, "Run names for the legend, one per log (default: file).")
-_x = flags.DEFINE_enum("x", "step", ("step", "tokens"), "The x-axis: step or tokens trained.")
-_smooth = flags.DEFINE_float(
-    "smooth", 0.9, "EMA weight of the smoothed train loss (0 = none).", lower_bound=0, upper_bound=1
-)
-_width = flags.DEFINE_float("width", 12.0, "Figure width in inches.", lower_bound=1)
-_height = flags.DEFINE_float("height", 8.0, "Figure height in inches.", lower_bound=1)
-_dpi = flags.DEFINE_integer("dpi", 100, "Dots per inch of the PNG.", lower_bound=10)
+from jaxllmq.setting import Settings, setting
+
+
+class PlotError(ValueError):
+    """Logs the plot cannot draw (missing, without step records, more or fewer names)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlotConfig(Settings):
+    """Plot: where the PNG goes, and how the curves are drawn."""
+
+    out: str = setting("curves.png", "Where to write the PNG.")
+    names: tuple[str, ...] = setting(
+        (), "Run names for the legend, one per log, comma-separated (default: file)."
+    )
+    x: str = setting("step", "The x-axis: step or tokens trained.", choices=("step", "tokens"))
+    smooth: float = setting(
+        0.9, "EMA weight of the smoothed train loss (0 = none).", lower=0.0, upper=1.0
+    )
+    width: float = setting(12.0, "Figure width in inches.", lower=1.0)
+    height: float = setting(8.0, "Figure height in inches.", lower=1.0)
+    dpi: int = setting(100, "Dots per inch of the PNG.", lower=10)
 
 
 @dataclasses.dataclass
@@ -164,14 +176,31 @@ def _default_names(paths: Sequence[str]) -> list[str]:
     return names
 
 
+def load_runs(paths: Sequence[str], names: Sequence[str] = ()) -> list[Series]:
+    """Each log's curves, named by `names` (default: by their files)."""
+    if not paths:
+        raise PlotError("give one or more log files: python -m jaxllmq.plot LOG [LOG ...]")
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise PlotError(f"no such log file: {', '.join(missing)}")
+    names = names or _default_names(paths)
+    if len(names) != len(paths):
+        raise PlotError(f"--names has {len(names)} names for {len(paths)} logs")
+    runs = [load(p, n) for p, n in zip(paths, names, strict=True)]
+    for p, r in zip(paths, runs, strict=True):
+        if not len(r.step):
+            raise PlotError(f"{p}: no step records")
+    return runs
+
+
 def plot(
     runs: Sequence[Series],
     out: str,
     *,
-    x: str = "step",
-    smooth: float = 0.9,
-    size: tuple[float, float] = (12.0, 8.0),
-    dpi: int = 100,
+    x: str = PlotConfig.x,
+    smooth: float = PlotConfig.smooth,
+    size: tuple[float, float] = (PlotConfig.width, PlotConfig.height),
+    dpi: int = PlotConfig.dpi,
 ) -> None:
     """Draw the runs' curves into a PNG at `out` (matplotlib's Agg backend: no display needed)."""
     import matplotlib
@@ -228,30 +257,7 @@ def plot(
     plt.close(fig)
 
 
-def main(argv: list[str]) -> None:
-    paths = argv[1:]
-    if not paths:
-        raise app.UsageError("give one or more log files: python -m jaxllmq.plot LOG [LOG ...]")
-    missing = [p for p in paths if not os.path.isfile(p)]
-    if missing:
-        raise app.UsageError(f"no such log file: {', '.join(missing)}")
-    names = _names.value or _default_names(paths)
-    if len(names) != len(paths):
-        raise app.UsageError(f"--names has {len(names)} names for {len(paths)} logs")
-    runs = [load(p, n) for p, n in zip(paths, names, strict=True)]
-    for p, r in zip(paths, runs, strict=True):
-        if not len(r.step):
-            raise app.UsageError(f"{p}: no step records")
-    plot(
-        runs,
-        _out.value,
-        x=_x.value,
-        smooth=_smooth.value,
-        size=(_width.value, _height.value),
-        dpi=_dpi.value,
-    )
-    print(f"wrote {_out.value}")
-
-
 if __name__ == "__main__":
-    app.run(main)
+    from jaxllmq.cli.plot import main
+
+    main()

@@ -54,6 +54,7 @@ class Meta:
     # The flag's text -> the field's value, where they differ (globs -> files, a prompts file).
     parse: Callable[[str], Any] | None = None
     run_path: bool = False  # a path in which %n stands for the run's --name
+    repeated: bool = False  # a tuple whose flag may be given several times, adding values
 
 
 def setting(
@@ -68,9 +69,10 @@ def setting(
     resume: Resume = Resume.FREE,
     parse: Callable[[str], Any] | None = None,
     run_path: bool = False,
+    repeated: bool = False,
 ) -> Any:
     """A dataclass field that is a setting (one flag)."""
-    meta = Meta(help, flag, choices, spellings, lower, upper, resume, parse, run_path)
+    meta = Meta(help, flag, choices, spellings, lower, upper, resume, parse, run_path, repeated)
     return dataclasses.field(default=default, metadata={"setting": meta})
 
 

@@ -5,6 +5,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from absl import flags
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -190,6 +191,7 @@ def test_to_global_arrays_on_8_device_mesh(shards):
 
 
 def test_worker_processes_give_the_same_batches(shards):
+    flags.FLAGS.mark_as_parsed()  # what absl.app does in a command: Grain reads its flags
     inline = take(pipeline(shards, num_threads=0, seed=9), 6)
     workers = pipeline(shards, num_workers=2, seed=9)
     try:

@@ -13,8 +13,8 @@ import pytest
 from tiny_tokenizer import write_tiny_tokenizer
 from tokenizers import Tokenizer
 
+from jaxllmq.cli.prepare import main
 from jaxllmq.data.pipeline import TokenBatches
-from jaxllmq.data.prepare import main
 from jaxllmq.data.shards import open_shard
 
 EOS = "</s>"
@@ -47,7 +47,7 @@ def prepare(*flags, check=True):
 def prepare_here(*flags):
     """Run the CLI's main() in this process (faster); returns its error line, or None."""
     try:
-        main(list(flags))
+        main(["prepare", *flags])
     except SystemExit as e:
         return e.code
     return None
@@ -179,7 +179,7 @@ def test_bad_inputs_give_clear_errors(tmp_path, tokenizer_dir, name, content, ex
         "--workers=1",
         *extra,
     )
-    assert error.startswith("prepare: error:") and "\n" not in error
+    assert error.startswith("error:") and "\n" not in error
     assert re.search(message, error), error
     assert not list(out.glob("train-*.bin"))
 

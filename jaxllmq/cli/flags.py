@@ -47,23 +47,29 @@ def _base_type(annotation: Any) -> type:
 
 
 def flag_default(entry: Entry) -> Any:
-    """The flag's default: the field's, with a tuple written as its comma-separated text."""
+    """The flag's default: the field's, with a tuple written as its comma-separated text (or
+    its list of values, for a flag given several times)."""
     default = entry.default
     if _base_type(entry.type) is tuple:
-        return ",".join(default) or None
+        return (list(default) if entry.meta.repeated else ",".join(default)) or None
     return default
 
 
 def define(cls: type, flag_values: flags.FlagValues = FLAGS) -> None:
-    """Register a flag for every setting of `cls` (nested sections included)."""
+    """Register a flag for every setting of `cls` (nested sections included), unless an earlier
+    run of the same command in this process has."""
     for entry in entries(cls):
         meta, name, default = entry.meta, entry.flag, flag_default(entry)
+        if flag_values.find_module_defining_flag(name) == entry.section:
+            continue
         kw = {"flag_values": flag_values, "module_name": entry.section}
         kind = _base_type(entry.type)
         if meta.choices is not None:
             help_ = f"<{'|'.join(meta.choices)}>: {meta.help}"
             parser = _ChoiceParser(meta)
             flags.DEFINE(parser, name, default, help_, serializer=flags.ArgumentSerializer(), **kw)
+        elif meta.repeated:
+            flags.DEFINE_multi_string(name, default, meta.help, **kw)
         elif kind is bool:
             flags.DEFINE_bool(name, default, meta.help, **kw)
         elif kind in (int, float):
@@ -79,8 +85,10 @@ def _value(entry: Entry, raw: Any, run_name: str | None) -> Any:
     if entry.meta.run_path and raw is not None and run_name is not None:
         raw = raw.replace("%n", run_name)
     if _base_type(entry.type) is tuple:
-        if raw is None:
+        if not raw:
             return ()
+        if entry.meta.repeated:
+            raw = ",".join(raw)
         parse = entry.meta.parse or (lambda text: tuple(p for p in text.split(",") if p))
         return parse(raw)
     if entry.meta.parse is not None and raw is not None:
@@ -116,22 +124,29 @@ def _construct(cls: type, values: dict) -> Any:
     return cls(**kwargs)
 
 
-_DASHED = re.compile(r"^--(no)?([a-z0-9]+(?:-[a-z0-9]+)+)(=|$)")
+_DASHED = re.compile(r"^--([a-z0-9_]*-[a-z0-9_-]*)(=|$)")
 
 
 def normalize_dashes(argv: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> list[str]:
-    """Accept llmq's dashed spellings (--batch-size=8) for our underscore flags (--batch_size=8)."""
+    """Accept llmq's dashed spellings (--batch-size=8) for our underscore flags (--batch_size=8),
+    and argparse's negations (--no-add-special-tokens) for absl's (--noadd_special_tokens)."""
     out = []
     for arg in argv:
         m = _DASHED.match(arg)
-        if m and m.group(2).replace("-", "_") in flag_values:
-            arg = "--" + (m.group(1) or "") + m.group(2).replace("-", "_") + arg[m.end(2) :]
+        if m:
+            name = m.group(1).replace("-", "_")
+            if name.startswith("no_") and name not in flag_values:
+                name = "no" + name.removeprefix("no_")
+            if name in flag_values or name.removeprefix("no") in flag_values:
+                arg = "--" + name + arg[m.end(1) :]
         out.append(arg)
     return out
 
 
 def parse_argv(argv: list[str]) -> list[str]:
-    """absl flags_parser: flagfiles expanded, dashed spellings normalized; exit 1 on bad flags."""
+    """absl flags_parser: flagfiles expanded, dashed spellings normalized; exit 1 on bad flags.
+    Flags start from their defaults, also when a command runs again in one process (tests)."""
+    FLAGS.unparse_flags()
     try:
         argv = FLAGS.read_flags_from_files(argv, force_gnu=False)
     except flags.CantOpenFlagFileError as e:

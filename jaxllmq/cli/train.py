@@ -51,6 +51,6 @@ def train(argv: list[str]) -> None:
         sys.exit(f"error: {e}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     flags.define(TrainConfig)
-    app.run(train, flags_parser=flags.parse_argv)
+    app.run(train, argv, flags_parser=flags.parse_argv)

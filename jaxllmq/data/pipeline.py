@@ -26,7 +26,6 @@ from collections.abc import Sequence
 import grain
 import jax
 import numpy as np
-from absl import flags
 from grain.experimental import index_shuffle
 
 from jaxllmq.data.shards import Shard, ShardError, check_vocab_size, expand_files, open_shard
@@ -134,7 +133,9 @@ class TokenBatches:
     are dropped, and the next epoch is a new permutation of all windows (shuffle=False: file
     order, every epoch). With repeat=False (eval) iteration stops after one epoch; `reset()`
     rewinds to the same first batch. `prefetch` steps are read ahead by `num_threads` threads,
-    in each of `num_workers` Grain worker processes if that is > 0, else in this process.
+    in each of `num_workers` Grain worker processes if that is > 0, else in this process (Grain
+    starts its workers only once absl flags are parsed: by absl.app in a command, elsewhere
+    `absl.flags.FLAGS.mark_as_parsed()`, which leaves Grain's flags at their defaults).
     `flag_name` is the flag that errors about the files name (--train_file, --eval_file).
     """
 
@@ -228,10 +229,6 @@ class TokenBatches:
         ds = grain.MapDataset.range(start, max(start, stop)).map(self._loader)
         ds = ds.to_iter_dataset(reading)
         if self.num_workers:
-            if not flags.FLAGS.is_parsed():
-                # Grain's worker processes read its absl flags; outside absl.app (tests,
-                # notebooks) take their defaults rather than fail.
-                flags.FLAGS.mark_as_parsed()
             per_worker = max(1, self.prefetch // self.num_workers)
             ds = ds.mp_prefetch(grain.MultiprocessingOptions(self.num_workers, per_worker))
         return ds

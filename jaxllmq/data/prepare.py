@@ -1,4 +1,4 @@
-"""Tokenize text into BIN.TOK shards: `python -m jaxllmq.data.prepare --help`.
+"""Tokenize text into BIN.TOK shards: `python -m jaxllmq.data.prepare --helpfull`.
 
     python -m jaxllmq.data.prepare --input='corpus/*.jsonl' --tokenizer=path/to/model \\
         --out_dir=data/mine
@@ -16,8 +16,8 @@ sources, and it trains a byte-level BPE tokenizer on them in seconds.
 
 from __future__ import annotations
 
-import argparse
 import collections
+import dataclasses
 import glob
 import json
 import multiprocessing
@@ -26,12 +26,13 @@ import pathlib
 import sys
 import sysconfig
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from jaxllmq.data.shards import ShardError, ShardWriter, expand_files
+from jaxllmq.data.shards import ShardWriter, expand_files
+from jaxllmq.setting import SettingError, Settings, setting
 from jaxllmq.tokenizer_files import copy_tokenizer_files
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -45,60 +46,87 @@ class PrepareError(ValueError):
     """Bad inputs or flags; the message names the file or flag and what to do."""
 
 
-# Flag table: (name, argparse keywords). Each is accepted as --name and, llmq-style, --name-dashed.
-FLAGS = [
-    ("input", dict(action="append", default=[], help="input files: paths or globs, comma-"
-     "separated or the flag repeated; .txt, .jsonl, .parquet (globs sorted; order is kept)")),
-    ("tokenizer", dict(help="a Hugging Face tokenizer.json, or a model directory holding one")),
-    ("out_dir", dict(required=True, help="where train-NNN.bin, eval.bin and tokenizer files go")),
-    ("text_field", dict(default="text", help=".jsonl field / .parquet column holding the text")),
-    ("prompt_field", dict(default="prompt", help="records with this and --response_field are "
-     "prompt/response pairs: only the response (and its EOS) is trained on")),
-    ("response_field", dict(default="response", help="see --prompt_field")),
-    ("txt_documents", dict(choices=["file", "paragraph", "line"], default="file", help="one .txt "
-     "document is: the whole file, each blank-line-separated paragraph, or each non-empty line")),
-    ("eos_token", dict(help="token appended to every document; default: eos_token in "
-     "tokenizer_config.json, else eos_token_id in config.json, beside the tokenizer")),
-    ("add_special_tokens", dict(action=argparse.BooleanOptionalAction, default=True,
-     help="apply the tokenizer's post-processor to each document (e.g. Llama 3's BOS)")),
-    ("shard_tokens", dict(type=int, help="tokens per train shard (default 100M; 4M quickstart)")),
-    ("eval_fraction", dict(type=float, default=0.01, help="share of tokens held out in eval.bin, "
-     "as whole documents spread over the corpus (0: no eval.bin)")),
-    ("eval_tokens", dict(type=int, default=0, help="if > 0, eval.bin takes the first documents "
-     "until it has this many tokens instead (overrides --eval_fraction)")),
-    ("workers", dict(type=int, default=os.cpu_count() or 1, help="tokenizer processes")),
-    ("overwrite", dict(action="store_true", help="replace train-*.bin, eval.bin in --out_dir")),
-    ("quickstart", dict(action="store_true", help="no --input/--tokenizer: tokenize this Python's "
-     "standard library with a BPE tokenizer trained on it (replaces an earlier quickstart)")),
-    ("quickstart_mb", dict(type=float, default=32.0, help="quickstart corpus cap, MB of text")),
-    ("vocab_size", dict(type=int, default=4096, help="quickstart tokenizer vocab, EOS included")),
-]  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class PrepareConfig(Settings):
+    """Data preparation: the text, its tokenizer, and the shards written."""
+
+    input: tuple[str, ...] = setting(
+        (),
+        "Input files: paths or globs, comma-separated or the flag repeated; .txt, .jsonl, "
+        ".parquet (globs sorted, order kept)",
+        repeated=True,
+    )
+    tokenizer: str | None = setting(
+        None, "A Hugging Face tokenizer.json, or a model directory holding one."
+    )
+    out_dir: str = setting(None, "Where train-NNN.bin, eval.bin and tokenizer files go.")
+    text_field: str = setting("text", ".jsonl field / .parquet column holding the text.")
+    prompt_field: str = setting(
+        "prompt",
+        "Records with this and --response_field are prompt/response pairs: only the response "
+        "(and its EOS) is trained on.",
+    )
+    response_field: str = setting("response", "See --prompt_field.")
+    txt_documents: str = setting(
+        "file",
+        "One .txt document is: the whole file, each blank-line-separated paragraph, or each "
+        "non-empty line.",
+        choices=("file", "paragraph", "line"),
+    )
+    eos_token: str | None = setting(
+        None,
+        "Token appended to every document; default: eos_token in tokenizer_config.json, else "
+        "eos_token_id in config.json, beside the tokenizer.",
+    )
+    add_special_tokens: bool = setting(
+        True, "Apply the tokenizer's post-processor to each document (e.g. Llama 3's BOS)."
+    )
+    shard_tokens: int | None = setting(
+        None, "Tokens per train shard (default 100M; 4M quickstart).", lower=1
+    )
+    eval_fraction: float = setting(
+        0.01,
+        "Share of tokens held out in eval.bin, as whole documents spread over the corpus (0: no "
+        "eval.bin).",
+        lower=0.0,
+    )
+    eval_tokens: int = setting(
+        0,
+        "If > 0, eval.bin takes the first documents until it has this many tokens instead "
+        "(overrides --eval_fraction).",
+        lower=0,
+    )
+    workers: int = setting(os.cpu_count() or 1, "Tokenizer processes.", lower=1)
+    overwrite: bool = setting(False, "Replace train-*.bin, eval.bin in --out_dir.")
+    quickstart: bool = setting(
+        False,
+        "No --input/--tokenizer: tokenize this Python's standard library with a BPE tokenizer "
+        "trained on it (replaces an earlier quickstart).",
+    )
+    quickstart_mb: float = setting(32.0, "Quickstart corpus cap, MB of text.")
+    vocab_size: int = setting(4096, "Quickstart tokenizer vocab, EOS included.", lower=1)
+
+    @property
+    def tokens_per_shard(self) -> int:
+        """--shard_tokens, else 4M for the quickstart's small corpus and 100M otherwise."""
+        if self.shard_tokens is not None:
+            return self.shard_tokens
+        return 4_000_000 if self.quickstart else 100_000_000
+
+    def check(self) -> None:
+        if self.out_dir is None:
+            raise SettingError("--out_dir is required: where the shards go")
+        if self.quickstart and (self.input or self.tokenizer):
+            raise SettingError(
+                "--quickstart makes its own corpus and tokenizer: drop --input and --tokenizer"
+            )
+        if not self.quickstart and not (self.input and self.tokenizer):
+            raise SettingError("give --input and --tokenizer, or --quickstart")
+        if self.eval_fraction >= 1:
+            raise SettingError(f"--eval_fraction={self.eval_fraction}: must be < 1")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse and check prepare's command line (argparse exits 2 with usage on bad flags)."""
-    p = argparse.ArgumentParser(prog="python -m jaxllmq.data.prepare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    for name, kw in FLAGS:
-        if kw.get("default") not in (None, [], False):
-            kw = {**kw, "help": kw["help"] + " (default: %(default)s)"}
-        spellings = dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"])
-        p.add_argument(*spellings, dest=name, **kw)
-    args = p.parse_args(argv)
-    if args.quickstart and (args.input or args.tokenizer):
-        p.error("--quickstart makes its own corpus and tokenizer: drop --input and --tokenizer")
-    if not args.quickstart and not (args.input and args.tokenizer):
-        p.error("give --input and --tokenizer, or --quickstart")
-    if args.shard_tokens is None:
-        args.shard_tokens = 4_000_000 if args.quickstart else 100_000_000
-    if min(args.shard_tokens, args.workers, args.vocab_size) < 1 or args.eval_tokens < 0:
-        p.error("--shard_tokens, --workers, --vocab_size must be positive; --eval_tokens >= 0")
-    if not 0 <= args.eval_fraction < 1:
-        p.error(f"--eval_fraction must be in [0, 1), got {args.eval_fraction}")
-    return args
-
-
-def expand_inputs(patterns: list[str]) -> list[str]:
+def expand_inputs(patterns: Sequence[str]) -> list[str]:
     """Files named by --input (paths or globs, comma-separated or repeated), in order."""
     paths = expand_files(patterns, "--input")
     for path in paths:
@@ -414,7 +442,7 @@ def _prepare_out_dir(out_dir: str, overwrite: bool) -> None:
         os.remove(path)
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: PrepareConfig) -> dict:
     """Tokenize per `args` into args.out_dir; returns the summary it prints."""
     start = time.perf_counter()
     if args.quickstart:
@@ -436,7 +464,7 @@ def run(args: argparse.Namespace) -> dict:
         docs = read_documents(paths, fields, args.txt_documents)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     progress = Progress()  # its clock times tokenizing alone: the throughput figure
-    with Split(args.out_dir, vocab_size, args.shard_tokens, args.eval_fraction,
+    with Split(args.out_dir, vocab_size, args.tokens_per_shard, args.eval_fraction,
                args.eval_tokens) as split:  # fmt: skip
         for tokens, lengths, mask in encode_in_order(
             docs, tokenizer.to_str(), eos_id, args.add_special_tokens, args.workers
@@ -458,14 +486,7 @@ def run(args: argparse.Namespace) -> dict:
             "tokens_per_s": rate}  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Command-line entry point; errors print one line and exit 1."""
-    args = parse_args(argv)
-    try:
-        run(args)
-    except (PrepareError, ShardError) as e:
-        sys.exit(f"prepare: error: {e}")
-
-
 if __name__ == "__main__":
+    from jaxllmq.cli.prepare import main
+
     main()
