@@ -86,6 +86,7 @@ def run_jax(
     from jaxllmq.model.architecture import preset
     from jaxllmq.optim import OptimConfig, decay_mask
     from jaxllmq.parallel.mesh import make_mesh
+    from jaxllmq.plan import plan_for
 
     steps = len(batches)
     cfg = model_cfg or preset(model)
@@ -104,9 +105,9 @@ def run_jax(
         opt_m_dtype=dtype,  # torch keeps AdamW's moments in the parameters' dtype
         opt_v_dtype=dtype,
     )
-    built = train_step.build(
-        cfg, spec, optim, mesh=make_mesh(1), total_steps=steps, seed=seed, kernels=kernels
-    )
+    mesh = make_mesh(1)
+    plan = plan_for(cfg, spec, mesh, kernels=kernels)
+    built = train_step.build(cfg, spec, optim, plan, mesh=mesh, total_steps=steps, seed=seed)
     hf.save_hf(hf_dir, cfg, built.state.params)
     mask = decay_mask(built.axes, optim.decay_embeddings)
     decayed = [name for key, (name, _) in hf.TOP_NAMES.items() if mask.get(key)]

@@ -26,6 +26,7 @@ from jaxllmq.kernels import parse_kernels
 from jaxllmq.log import PEAK_FLOPS_BF16
 from jaxllmq.model.architecture import PRESETS, ModelConfig, load_model_config
 from jaxllmq.parallel.mesh import TENSOR, MeshError, initialize_distributed, make_mesh
+from jaxllmq.plan import plan_for
 
 _bench_steps = flags.DEFINE_integer("bench_steps", 20, "Timed steps.", lower_bound=1)
 _bench_warmup = flags.DEFINE_integer(
@@ -102,17 +103,15 @@ def build_synthetic(
     batch_size is per data-parallel device; each process supplies its own rows, as the data
     pipeline does.
     """
-    built = train_step.build(
+    plan = plan_for(
         model_cfg,
         spec,
-        optim,
-        mesh=mesh,
-        total_steps=10_000,
-        seed=0,
+        mesh,
         kernels=kernels,
         lmhead_chunks=lmhead_chunks,
         zero_level=zero_level,
     )
+    built = train_step.build(model_cfg, spec, optim, plan, mesh=mesh, total_steps=10_000, seed=0)
     rows = batch_size * (mesh.size // mesh.shape[TENSOR])
     local = synthetic_batch(
         model_cfg, grad_accumulation, rows // jax.process_count(), seq_len, seed=jax.process_index()
@@ -281,7 +280,7 @@ def run_bench(
         "deterministic": spec.deterministic,
         "recompute": list(spec.recompute.names()) + (["block"] if spec.recompute.block else []),
         "kernels": kernels,
-        "kernels_used": train_step.kernel_choices(kernels, mesh),  # what auto resolved to here
+        "kernels_used": built.plan.kernels,  # what ran: auto resolved, fallbacks applied
         "lmhead_chunks": lmhead_chunks,
         "pgle_steps": pgle_steps,
         "tokens_per_s": tokens_per_s,
