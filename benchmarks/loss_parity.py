@@ -85,17 +85,21 @@ def run_jax(
     from jaxllmq.model.architecture import preset
     from jaxllmq.optim import decay_mask
     from jaxllmq.parallel.mesh import make_mesh
+    from jaxllmq.plan import plan_for
     from jaxllmq.settings import ModelSpec, OptimConfig
 
     steps = len(batches)
     cfg = model_cfg or preset(model)
-    spec = ModelSpec(model=model, from_scratch=True, model_dtype=dtype, matmul_dtype=dtype)
+    spec = ModelSpec(
+        model=model, from_scratch=True, model_dtype=dtype, matmul_dtype=dtype, kernels=kernels
+    )
     # wsd without a cooldown: lr * t / warmup (0 at the first step), then constant; the peer
     # sets the same lr before each of its steps.
     optim = OptimConfig(
         lr=lr,
         warmup=warmup,
         lr_schedule="wsd",
+        final_lr_fraction=1.0,
         beta_1=0.9,
         beta_2=0.95,
         adam_epsilon=1e-8,
@@ -104,9 +108,9 @@ def run_jax(
         opt_m_dtype=dtype,  # torch keeps AdamW's moments in the parameters' dtype
         opt_v_dtype=dtype,
     )
-    built = train_step.build(
-        cfg, spec, optim, mesh=make_mesh(1), total_steps=steps, seed=seed, kernels=kernels
-    )
+    mesh = make_mesh(1)
+    plan = plan_for(cfg, spec, mesh)
+    built = train_step.build(cfg, spec, optim, plan, mesh=mesh, total_steps=steps, seed=seed)
     hf.save_hf(hf_dir, cfg, built.state.params)
     mask = decay_mask(built.axes, optim.decay_embeddings)
     decayed = [name for key, (name, _) in hf.TOP_NAMES.items() if mask.get(key)]

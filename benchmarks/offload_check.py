@@ -21,6 +21,7 @@ from jaxllmq.model.architecture import load_model_config
 from jaxllmq.model.recompute import Recompute
 from jaxllmq.offload import Offload
 from jaxllmq.parallel.mesh import make_mesh
+from jaxllmq.plan import plan_for
 from jaxllmq.settings import ModelSpec, OptimConfig
 
 # --model and --matmul_dtype are the trainer's flags (defined by the bench command's define_flags).
@@ -46,7 +47,9 @@ def main(argv: list[str]) -> None:
     base = None
     for name, kw in SWITCHES.items():
         spec = ModelSpec(model=model, from_scratch=True, matmul_dtype=matmul, **kw)
-        built = train_step.build(cfg, spec, optim, mesh=make_mesh(1), total_steps=10, seed=0)
+        mesh = make_mesh(1)
+        plan = plan_for(cfg, spec, mesh)
+        built = train_step.build(cfg, spec, optim, plan, mesh=mesh, total_steps=10, seed=0)
         b = jax.device_put(batch, built.batch_sharding)
         hlo = built.train_step.lower(built.state, b).compile().as_text()
         state, losses = built.state, []

@@ -24,6 +24,7 @@ from jaxllmq.data.pipeline import to_global_arrays
 from jaxllmq.log import PEAK_FLOPS_BF16
 from jaxllmq.model.architecture import ModelConfig
 from jaxllmq.parallel.mesh import batch_rows, make_mesh
+from jaxllmq.plan import plan_for
 from jaxllmq.setting import Settings, setting
 from jaxllmq.settings import DataConfig, MeshConfig, ModelSpec, OptimConfig
 
@@ -96,17 +97,13 @@ def build_synthetic(
     data.batch_size is per data-parallel device; each process supplies its own rows, as the data
     pipeline does.
     """
-    built = train_step.build(
+    plan = plan_for(
         model_cfg,
         spec,
-        optim,
-        mesh=mesh,
-        total_steps=10_000,
-        seed=0,
-        kernels=spec.kernels,
-        lmhead_chunks=spec.lmhead_chunks,
+        mesh,
         zero_level=zero_level,
     )
+    built = train_step.build(model_cfg, spec, optim, plan, mesh=mesh, total_steps=10_000, seed=0)
     rows = batch_rows(mesh, data.batch_size)
     local = synthetic_batch(
         model_cfg,
@@ -207,7 +204,7 @@ def run_bench(
         "deterministic": spec.deterministic,
         "recompute": list(spec.recompute.names()) + (["block"] if spec.recompute.block else []),
         "kernels": spec.kernels,
-        "kernels_used": train_step.kernel_choices(spec.kernels, mesh),  # what auto resolved to
+        "kernels_used": built.plan.kernels,  # what ran: auto resolved, fallbacks applied
         "lmhead_chunks": spec.lmhead_chunks,
         "pgle_steps": pgle_steps,
         "tokens_per_s": tokens_per_s,

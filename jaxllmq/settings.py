@@ -123,11 +123,6 @@ class ModelSpec(Settings):
     offload: Offload = section(Offload)
 
     @property
-    def attention_request(self) -> str:
-        """--attention, with auto meaning XLA's under --deterministic (cuDNN's crashes there)."""
-        return "xla" if self.deterministic and self.attention == "auto" else self.attention
-
-    @property
     def compute_dtype(self) -> str:
         """The dtype of activations, attention and the LM head (bfloat16 under fp8)."""
         return "bfloat16" if self.linear_dtype else self.matmul_dtype

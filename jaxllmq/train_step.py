@@ -16,7 +16,6 @@ from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllmq.dtypes import DTYPES
-from jaxllmq.kernels import KERNELS, resolve_impl
 from jaxllmq.kernels.fp8_quantize import Quantizer
 from jaxllmq.kernels.lm_head_loss import lm_head_loss, lm_head_loss_sharded
 from jaxllmq.model import fp8_delayed, hf
@@ -29,8 +28,8 @@ from jaxllmq.optim import (
     nonfinite_counts,
 )
 from jaxllmq.parallel import rules
-from jaxllmq.parallel.mesh import BATCH_AXES, TENSOR, batch_devices, batch_sharding, replicated
-from jaxllmq.parallel.rules import check_tensor_parallel
+from jaxllmq.parallel.mesh import BATCH_AXES, batch_sharding, replicated
+from jaxllmq.plan import Plan
 from jaxllmq.settings import ModelSpec, OptimConfig
 
 
@@ -239,100 +238,54 @@ class ModelOnMesh:
     train_step: Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
     eval_step: Callable[[dict, Batch], tuple[jax.Array, jax.Array]]
     batch_sharding: jax.sharding.Sharding
+    plan: Plan  # what build executed
     # The params as device arrays in the compute dtype, for code outside the steps (sampling):
     # with --offload_master the state's params live in host memory.
     weights: Callable[[dict], dict] = lambda params: params
-
-
-def kernel_choices(kernels: str, mesh: jax.sharding.Mesh) -> dict[str, str]:
-    """What each fused kernel runs as in the step on `mesh`: --kernels resolved ("pallas"/"xla",
-    the LM-head loss also "mosaic")."""
-    impls = {
-        k: resolve_impl(kernels, k, num_devices=mesh.size, tensor_parallel=mesh.shape[TENSOR])
-        for k in KERNELS
-    }
-    # The fp8 quantize pass runs per device's tokens (shard_map); tensor parallelism splits the
-    # columns too, so there it stays in XLA.
-    if mesh.shape[TENSOR] > 1:
-        impls["fp8_quantize"] = "xla"
-    return impls
-
-
-def gather_embed_below(vocab: int, mesh: jax.sharding.Mesh, zero_level: int) -> int:
-    """Micro-batch size in tokens below which the embedding's backward gathers the tokens'
-    gradients rather than reducing the table's dense gradient (Llama.embed).
-
-    Per device, the gather receives (n - 1) x tokens/n x D elements for n batch devices; the
-    table's reduction (n - 1)/n x V x D as a reduce-scatter (ZeRO-2/3), twice that as an
-    all-reduce (ZeRO-1, gradients replicated). So: gather below V tokens, or 2V at ZeRO-1.
-    Not under tensor parallelism: the vocab-split table's lookup is summed over the tensor axis,
-    which for the whole batch would cost the forward pass what the backward saves (unmeasured).
-    """
-    if batch_devices(mesh) == 1 or mesh.shape[TENSOR] > 1:
-        return 0
-    return vocab * (2 if zero_level == 1 else 1)
 
 
 def build(
     model_cfg: ModelConfig,
     spec: ModelSpec,
     optim: OptimConfig,
+    plan: Plan,
     *,
     mesh: jax.sharding.Mesh,
     total_steps: int,
     seed: int,
     z_loss: float = 0.0,
-    kernels: str = "auto",
-    lmhead_chunks: int = 1,
-    zero_level: int = 1,
 ) -> ModelOnMesh:
-    """Initialize (or import) the parameters and optimizer on the mesh; jit the steps.
+    """Initialize (or import) the parameters and optimizer on the mesh; jit the steps: as `plan`
+    (jaxllmq/plan.py, made for this model, spec and mesh) says.
 
-    Shardings come from the ZeRO level's tables (parallel/rules.py). The training run and the
-    benchmark both come through here, so they time the same code.
+    The training run and the benchmark both come through here, so they time the same code.
     """
-    check_tensor_parallel(
-        mesh.shape[TENSOR],
-        heads=model_cfg.num_attention_heads,
-        kv_heads=model_cfg.num_key_value_heads,
-        ffn=model_cfg.intermediate_size,
-        vocab=model_cfg.vocab_size,
+    if dict(mesh.shape) != plan.mesh_shape:
+        raise ValueError(f"build: a plan for a mesh of {plan.mesh_shape}, not {dict(mesh.shape)}")
+    on_mesh = lambda specs: jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
     )
-    tables = rules.plan(zero_level, streamed_update=spec.offload.any)
-    impls = kernel_choices(kernels, mesh)
-    norm_impl, loss_impl = impls["rms_norm"], impls["lm_head_loss"]
-    # A Pallas call has no partitioning rule: on several devices it runs per device's tokens
-    # (under shard_map over this mesh; None: one call over the whole batch).
-    per_device = lambda impl: mesh if impl in ("pallas", "mosaic") and mesh.size > 1 else None
-    # The XLA loss too, without tensor parallelism (which splits the vocab): per device, its
-    # weight gradient is cast to the compute dtype before shard_map sums it across devices,
-    # where XLA's partitioner reduced the fp32 product, twice the bytes.
-    loss_mesh = mesh if mesh.size > 1 and mesh.shape[TENSOR] == 1 else per_device(loss_impl)
-    loss = LmHeadLoss(loss_impl, lmhead_chunks, loss_mesh)
-    quantizer = Quantizer(impls["fp8_quantize"], per_device(impls["fp8_quantize"]), BATCH_AXES)
+    per_device = lambda on: mesh if on else None
+    loss = LmHeadLoss(
+        plan.kernels["lm_head_loss"], plan.lmhead_chunks, per_device(plan.loss_per_device)
+    )
+    quantizer = Quantizer(
+        plan.kernels["fp8_quantize"], per_device(plan.quantize_per_device), BATCH_AXES
+    )
     model_kwargs = dict(
         param_dtype=DTYPES[spec.model_dtype],
         dtype=DTYPES[spec.compute_dtype],
         scan_layers=spec.scan_layers,
-        attention=spec.attention_request,
-        norm_impl=norm_impl,
+        attention=plan.attention,
+        norm_impl=plan.kernels["rms_norm"],
         recompute=spec.recompute,
         linear_dtype=spec.linear_dtype,
         gradient_dtype=spec.gradient_dtype,
         fp8_quantizer=quantizer,
-        # Not under tensor parallelism, which splits q, k and v by heads: the concatenation
-        # would cross that split.
-        fuse_qkv_grads=mesh.shape[TENSOR] == 1,
+        fuse_qkv_grads=plan.fuse_qkv_grads,
     )
     _, abstract, axes = abstract_model(model_cfg, **model_kwargs)
-    # A layer's weights are used with their tensor-parallel sharding only (gathered over fsdp).
-    layer_compute = {
-        name: NamedSharding(
-            mesh,
-            rules.spec(axes["layers"][name][1:], x.shape[1:], rules.TENSOR_RULES, mesh),
-        )
-        for name, x in abstract["layers"].items()
-    }
+    layer_compute = on_mesh(plan.layer_compute_specs)
     activations = NamedSharding(mesh, PartitionSpec(BATCH_AXES, None, None))
     graphdef, _, _ = abstract_model(
         model_cfg,
@@ -346,17 +299,15 @@ def build(
             for k, v in p.items()
         },
         replicate=lambda x: jax.lax.with_sharding_constraint(x, replicated(mesh)),
-        gather_embed_below=gather_embed_below(model_cfg.vocab_size, mesh, zero_level),
+        gather_embed_below=plan.gather_embed_below,
     )
-    check_supported(mesh, spec.offload)
+    check_supported(mesh, plan.offload)
     # Host offload: the master weights and/or Adam's moments live in pinned host memory.
-    param_shardings = place_params(
-        rules.shardings(axes, abstract, tables.params, mesh), spec.offload
-    )
+    param_shardings = place_params(on_mesh(plan.param_specs), plan.offload)
     params = init_params(spec, model_cfg, abstract, param_shardings, seed)
     optimizer = make_optimizer(optim, total_steps, axes)
     rep = replicated(mesh)
-    opt_param_shardings = rules.shardings(axes, abstract, tables.opt, mesh)
+    opt_param_shardings = on_mesh(plan.opt_specs)
     opt_shardings = optax.tree_map_params(
         optimizer,
         lambda _, s: s,
@@ -365,9 +316,9 @@ def build(
         transform_non_params=lambda _: rep,
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
-    opt_shardings = place_opt(opt_shardings, spec.offload)
+    opt_shardings = place_opt(opt_shardings, plan.offload)
     streams = None
-    if spec.offload.any:
+    if plan.offload.any:
         streams = Streams(optimizer, param_shardings, opt_shardings, model_kwargs["dtype"])
     opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
     fp8 = {}
@@ -379,7 +330,7 @@ def build(
                 model_cfg.num_hidden_layers, spec.fp8_amax_history, layers, model_kwargs["dtype"]
             ),
             out_shardings=rep,
-        )(None if spec.offload.master else params["layers"])
+        )(None if plan.offload.master else params["layers"])
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, fp8=fp8)
     state_sharding = TrainState(
         step=rep,
@@ -395,7 +346,7 @@ def build(
             lr_schedule(optim, total_steps),
             z_loss=z_loss,
             loss=loss,
-            grad_shardings=rules.shardings(axes, abstract, tables.grads, mesh),
+            grad_shardings=on_mesh(plan.grad_specs),
             streams=streams,
             gather_params=functools.partial(
                 rules.gather_on_new_axis, src=opt_param_shardings, dst=param_shardings
@@ -411,4 +362,4 @@ def build(
         out_shardings=rep,
     )
     weights = jax.jit(streams.compute_params) if streams is not None else (lambda p: p)
-    return ModelOnMesh(graphdef, axes, state, train_step, eval_step, data_sharding, weights)
+    return ModelOnMesh(graphdef, axes, state, train_step, eval_step, data_sharding, plan, weights)

@@ -23,11 +23,12 @@ from jaxllmq.model import hf
 from jaxllmq.model.architecture import load_model_config
 from jaxllmq.optim import NonFiniteError, check_nonfinite, lr_schedule
 from jaxllmq.parallel.mesh import batch_rows, make_mesh, replicated
+from jaxllmq.plan import plan_for
 from jaxllmq.preemption import Preemption
 from jaxllmq.setting import SettingError
 from jaxllmq.settings import TrainConfig
 from jaxllmq.telemetry import Nvml, device_records
-from jaxllmq.train_step import Batch, build, kernel_choices
+from jaxllmq.train_step import Batch, build
 
 
 def check_output_dirs(cfg: TrainConfig) -> None:
@@ -87,6 +88,13 @@ class Trainer:
         # Before any data or weights are read: a --seq_len past the model's positions, or a
         # model too large for these devices, is refused.
         cfg.data.check_seq_len(self.model_cfg, cfg.model.model)
+        # What build will run; a tensor-parallel size the model cannot take is refused here.
+        self.plan = plan_for(
+            self.model_cfg,
+            cfg.model,
+            self.mesh,
+            zero_level=m.zero_level,
+        )
         memory.check_training_fits(
             self.model_cfg,
             f"--model={cfg.model.model}",
@@ -130,6 +138,7 @@ class Trainer:
         self.nvml = Nvml() if self.log.is_main else None
         self.log.record("cmd", 0, argv=argv or sys.argv)
         self.log.record("options", 0, **dataclasses.asdict(cfg))
+        self.log.info(0, self.plan.describe(), plan=self.plan.to_record())
         # Every token id inside the model's vocab, and tokens to train on, before device work.
         log_info = functools.partial(self.log.info, 0)
         vocab = self.model_cfg.vocab_size
@@ -156,13 +165,11 @@ class Trainer:
             self.model_cfg,
             spec,
             cfg.optim,
+            self.plan,
             mesh=self.mesh,
             total_steps=self.total_steps,
             seed=d.train_seed,
             z_loss=cfg.z_loss,
-            kernels=cfg.model.kernels,
-            lmhead_chunks=cfg.model.lmhead_chunks,
-            zero_level=cfg.mesh.zero_level,
         )
         self.state = self.compiled.state
         if self.ckpt.resume is not None:
@@ -179,7 +186,7 @@ class Trainer:
             device_kind=jax.devices()[0].device_kind,
             processes=jax.process_count(),
             jax_version=jax.__version__,
-            kernels=kernel_choices(cfg.model.kernels, self.mesh),  # what --kernels resolved to here
+            kernels=self.plan.kernels,  # what runs: --kernels resolved, fallbacks applied
         )
         self._log_gpu(0)
         self.log.record(

@@ -6,10 +6,9 @@ import sys
 
 import pytest
 
-from jaxllmq import bench, train_step
+from jaxllmq import bench
 from jaxllmq.kernels import KERNELS
 from jaxllmq.model.architecture import preset
-from jaxllmq.parallel.mesh import make_mesh
 from jaxllmq.settings import DataConfig, MeshConfig, ModelSpec, OptimConfig
 
 
@@ -35,13 +34,6 @@ def test_bench_reports_throughput_and_a_falling_loss():
     assert out["compile_s"] > 0 and out["mfu_spec"] is None
     assert out["profile"]["device_ms_per_step"] == 0  # the trace ran; a CPU has no GPU streams
     assert out["kernels_used"] == dict.fromkeys(KERNELS, "xla")  # auto on CPU
-
-
-def test_kernel_choices_keep_the_fp8_quantize_in_xla_under_tensor_parallelism():
-    # Pallas asked for: per device on a data/ZeRO mesh; tensor parallelism splits the columns.
-    assert train_step.kernel_choices("pallas", make_mesh(8)) == dict.fromkeys(KERNELS, "pallas")
-    with_tp = train_step.kernel_choices("pallas", make_mesh(8, tensor_parallel=2))
-    assert with_tp == {"rms_norm": "pallas", "lm_head_loss": "pallas", "fp8_quantize": "xla"}
 
 
 @pytest.mark.parametrize(

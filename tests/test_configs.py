@@ -50,10 +50,14 @@ def test_flagfile_parses_and_validates(path, tmp_path):
 ATTENTION = """
 import sys
 from jaxllmq.cli import flags
+from jaxllmq.model.architecture import preset
+from jaxllmq.plan import make_plan
 from jaxllmq.settings import ModelSpec
 flags.define(ModelSpec)
 flags.parse_argv(sys.argv)
-print(flags.build(ModelSpec).attention_request)
+spec = flags.build(ModelSpec)
+hopper = dict(platform="gpu", compute_capability="9.0")  # where auto would pick cuDNN
+print(make_plan(preset("tiny"), spec, mesh_shape=dict(data=1, fsdp=1, tensor=1), **hopper).attention)
 """
 
 

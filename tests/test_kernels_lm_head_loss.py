@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllmq.kernels.lm_head_loss import lm_head_loss, lm_head_loss_reference
+from jaxllmq.kernels.lm_head_loss import kernel_used, lm_head_loss, lm_head_loss_reference
 from jaxllmq.kernels.lm_head_mgpu import MosaicTiles
 from jaxllmq.kernels.lm_head_pallas import LmHeadPallasConfig
 
@@ -230,6 +230,9 @@ def test_mosaic_lowering_fits_the_gpu_at_real_shapes(d, v, kernel):
     text = jax.jit(step).trace(h, w, t, m).lower(lowering_platforms=("cuda",)).as_text()
     calls = {"mosaic": "custom_call @mosaic_gpu", "triton": "__gpu$xla.gpu.triton"}
     assert {k: text.count(c) for k, c in calls.items()} == {k: k == kernel for k in calls}
+    # What a run's plan reports (kernel_used; "pallas" is the Triton kernel) is what lowered.
+    used = kernel_used("mosaic", d, v, jnp.bfloat16)
+    assert used == ("mosaic" if kernel == "mosaic" else "pallas")
 
 
 def test_mosaic_tile_options():

@@ -18,6 +18,7 @@ from jaxllmq.model.architecture import preset
 from jaxllmq.model.recompute import Recompute
 from jaxllmq.offload import HOST, Offload, OffloadError, check_supported
 from jaxllmq.parallel.mesh import make_mesh
+from jaxllmq.plan import plan_for
 from jaxllmq.settings import CheckpointConfig, ModelSpec, OptimConfig
 
 CFG = dataclasses.replace(preset("tiny"), num_hidden_layers=2, vocab_size=512)
@@ -27,11 +28,9 @@ ALL = Offload(master=True, opt_m=True, opt_v=True)
 
 
 def _build(gpus: int = 1, zero_level: int = 1, **spec) -> train_step.ModelOnMesh:
-    spec = ModelSpec(model="tiny", from_scratch=True, **spec)
-    return train_step.build(
-        CFG, spec, OPTIM, mesh=make_mesh(gpus), total_steps=10, seed=0, kernels="xla",
-        zero_level=zero_level,
-    )  # fmt: skip
+    spec, mesh = ModelSpec(model="tiny", from_scratch=True, **spec), make_mesh(gpus)
+    plan = plan_for(CFG, dataclasses.replace(spec, kernels="xla"), mesh, zero_level=zero_level)
+    return train_step.build(CFG, spec, OPTIM, plan, mesh=mesh, total_steps=10, seed=0)
 
 
 def _train(

@@ -6,6 +6,7 @@ import re
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllmq import train_step
@@ -13,6 +14,7 @@ from jaxllmq.bench import synthetic_batch
 from jaxllmq.model.architecture import preset
 from jaxllmq.parallel import rules
 from jaxllmq.parallel.mesh import batch_rows, make_mesh
+from jaxllmq.plan import Plan, plan_for
 from jaxllmq.settings import ModelSpec, OptimConfig
 
 CFG = dataclasses.replace(preset("tiny"), num_hidden_layers=2, vocab_size=512)
@@ -24,9 +26,12 @@ def _build(
     gpus: int, zero_level: int = 1, tp: int = 1, kernels: str = "xla"
 ) -> train_step.ModelOnMesh:
     mesh = make_mesh(gpus, tensor_parallel=tp)
-    return train_step.build(
-        CFG, SPEC, OPTIM, mesh=mesh, total_steps=10, seed=0, kernels=kernels, zero_level=zero_level
-    )
+    plan = plan_for(CFG, dataclasses.replace(SPEC, kernels=kernels), mesh, zero_level=zero_level)
+    return train_step.build(CFG, SPEC, OPTIM, plan, mesh=mesh, total_steps=10, seed=0)
+
+
+def _plan(gpus: int, zero_level: int, tp: int = 1) -> Plan:
+    return plan_for(CFG, SPEC, make_mesh(gpus, tensor_parallel=tp), zero_level=zero_level)
 
 
 def _device_bytes(tree) -> float:
@@ -53,13 +58,13 @@ def test_each_level_shards_what_it_promises(zero_level, tp, params, opt):
 
 
 def test_gradients_shard_from_zero_2():
-    _, abstract, axes = train_step.abstract_model(CFG)
+    _, abstract, _ = train_step.abstract_model(CFG)
     mesh = make_mesh(8)
     for level, expect in [(1, 1.0), (2, 1 / 8), (3, 1 / 8)]:
-        grads = rules.shardings(axes, abstract, rules.plan(level).grads, mesh)
+        grads = jax.tree.leaves(_plan(8, level).grad_specs, is_leaf=lambda x: isinstance(x, P))
         fraction = sum(
-            np.prod(s.shard_shape(x.shape))
-            for s, x in zip(jax.tree.leaves(grads), jax.tree.leaves(abstract), strict=True)
+            np.prod(NamedSharding(mesh, s).shard_shape(x.shape))
+            for s, x in zip(grads, jax.tree.leaves(abstract), strict=True)
         ) / sum(x.size for x in jax.tree.leaves(abstract))
         assert fraction == pytest.approx(expect, rel=1e-3), level
 
@@ -89,16 +94,14 @@ def test_the_updated_weights_are_gathered_on_a_new_leading_axis(src, dst, gather
 @pytest.mark.parametrize("gpus, tp", [(2, 1), (4, 2), (8, 1)])
 def test_zero_1_splits_the_optimizer_state_on_leading_dims(gpus, tp):
     """Layers (2 here) where the fsdp size divides them, else embed; the embedding by vocab."""
-    _, abstract, axes = train_step.abstract_model(CFG)
-    mesh = make_mesh(gpus, tensor_parallel=tp)
-    opt = rules.shardings(axes, abstract, rules.plan(1).opt, mesh)
+    opt = _plan(gpus, 1, tp).opt_specs
     fsdp_dim = lambda spec: list(spec).index("fsdp")  # gate_proj: [L, embed, mlp]
-    by_layer = mesh.shape["fsdp"] <= CFG.num_hidden_layers
-    assert fsdp_dim(opt["layers"]["gate_proj"].spec) == (0 if by_layer else 1)
-    assert opt["embed_tokens"].spec[0] == ("tensor", "fsdp")
+    by_layer = gpus // tp <= CFG.num_hidden_layers
+    assert fsdp_dim(opt["layers"]["gate_proj"]) == (0 if by_layer else 1)
+    assert opt["embed_tokens"][0] == ("tensor", "fsdp")
     # ZeRO-2 and 3 keep embed, where the backward reduce-scatters each layer's gradient.
-    zero_2 = rules.shardings(axes, abstract, rules.plan(2).opt, mesh)
-    assert fsdp_dim(zero_2["layers"]["gate_proj"].spec) == 1
+    zero_2 = _plan(gpus, 2, tp).opt_specs
+    assert fsdp_dim(zero_2["layers"]["gate_proj"]) == 1
 
 
 def test_compiled_memory_falls_with_the_level():
@@ -149,7 +152,7 @@ def test_pallas_loss_runs_per_device_and_trains_the_same(one_device_losses, impl
 
 def test_embedding_backward_gathers_the_tokens_gradients():
     """Below the size rule the table's dense [V, D] gradient is never all-reduced: the tokens'
-    gradients [B, T, D] are all-gathered instead (train_step.gather_embed_below, Llama.embed)."""
+    gradients [B, T, D] are all-gathered instead (plan.gather_embed_below, Llama.embed)."""
     built = _build(8, 1)
     batch = jax.device_put(BATCHES[0], built.batch_sharding)
     hlo = built.train_step.lower(built.state, batch).compile().as_text()
@@ -158,10 +161,10 @@ def test_embedding_backward_gathers_the_tokens_gradients():
     gathered = " ".join(re.findall(r"= (.*?) all-gather(?:-start)?\(", hlo))
     assert f"[{V},{D}]" not in reduced and f"[{D},{V}]" in reduced  # the untied head's is
     assert f"[8,32,{D}]" in gathered
-    assert train_step.gather_embed_below(V, make_mesh(8), 1) == 2 * V
-    assert train_step.gather_embed_below(V, make_mesh(8), 3) == V
-    assert train_step.gather_embed_below(V, make_mesh(1), 1) == 0
-    assert train_step.gather_embed_below(V, make_mesh(8, tensor_parallel=2), 1) == 0
+    assert built.plan.gather_embed_below == 2 * V
+    assert _plan(8, 3).gather_embed_below == V
+    assert _plan(1, 1).gather_embed_below == 0
+    assert _plan(8, 1, tp=2).gather_embed_below == 0
 
 
 def test_xla_loss_runs_per_device_without_tensor_parallelism():

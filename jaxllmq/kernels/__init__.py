@@ -29,7 +29,7 @@ AUTO_HOPPER = {**AUTO_GPU, "lm_head_loss": "mosaic"}
 AUTO_MULTI_GPU = {"rms_norm": "xla"}
 # Under tensor parallelism the head's vocab and the linears' columns are split: the per-device
 # loss would gather the head and repeat each token's loss on every tensor rank, and the quantize
-# pass's scales would span the split columns (train_step.kernel_choices keeps it in XLA even if asked).
+# pass's scales would span the split columns (resolve_impl keeps it in XLA even if asked).
 AUTO_TENSOR_PARALLEL = dict.fromkeys(KERNELS, "xla")
 
 
@@ -57,10 +57,12 @@ def parse_kernels(kernels: str) -> dict[str, str]:
     return out
 
 
-def is_hopper() -> bool:
-    """Whether this process's first device is a Hopper GPU (H100, H200: compute capability 9.x),
-    the only one the Mosaic GPU kernels' wgmma runs on."""
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+def is_hopper(compute_capability: str | None = None) -> bool:
+    """Whether a GPU of `compute_capability` (default: this process's first device's) is a Hopper
+    (H100, H200: 9.x), the only one the Mosaic GPU kernels' wgmma runs on."""
+    if compute_capability is None:
+        compute_capability = str(getattr(jax.devices()[0], "compute_capability", ""))
+    return compute_capability.startswith("9.")
 
 
 def resolve_impl(
@@ -80,13 +82,15 @@ def resolve_impl(
     for AUTO_MULTI_GPU's entries, and AUTO_TENSOR_PARALLEL's where `tensor_parallel` > 1.
     A Pallas call has no SPMD partitioning rule: on several devices the LM-head loss and the fp8
     quantize pass run per device inside shard_map (train_step.build ->
-    lm_head_loss.lm_head_loss_sharded, fp8_quantize.Quantizer; the quantize pass stays in XLA
-    under tensor parallelism, train_step.kernel_choices); the RMSNorm call is not wrapped, so XLA
-    gathers its operands.
+    lm_head_loss.lm_head_loss_sharded, fp8_quantize.Quantizer); the RMSNorm call is not wrapped,
+    so XLA gathers its operands. Under tensor parallelism the quantize pass stays in XLA even if
+    asked: its per-device scales would span the split columns.
     """
     if kernel not in KERNELS:
         raise ValueError(f"resolve_impl: unknown kernel {kernel!r} (expected one of {KERNELS})")
     choice = parse_kernels(kernels)[kernel]
+    if kernel == "fp8_quantize" and tensor_parallel > 1:
+        return "xla"
     if choice != "auto":
         return choice
     platform = platform or jax.default_backend()

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllmq.kernels import _pallas as P
-from jaxllmq.kernels import lm_head_pallas
+from jaxllmq.kernels import lm_head_mgpu, lm_head_pallas
 from jaxllmq.kernels.lm_head_pallas import LmHeadPallasConfig
 
 
@@ -127,7 +127,7 @@ def _xla_chunk_grads(h_c, w, t_c, m_c, z_loss):
 def _stats(h, w, t, plan):
     """Per-token (lse, target logit) over all tokens, without gradient work."""
     if plan.impl == "pallas":  # one launch; no chunk state to bound
-        n_pad = P.cdiv(plan.n_tokens, plan.pallas.block_m) * plan.pallas.block_m
+        n_pad = P.cdiv(plan.n_tokens, plan.pallas.rows) * plan.pallas.rows
         pad = n_pad - plan.n_tokens
         lse, tl = lm_head_pallas.chunk_stats(
             jnp.pad(h, ((0, pad), (0, 0))), w, jnp.pad(t, (0, pad)), plan.pallas
@@ -177,6 +177,25 @@ def _chunked_loss_bwd(plan, res, cts):
 _chunked_loss.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
 
 
+IMPLS = ("xla", "pallas", "mosaic")
+
+
+def kernel_used(impl: str, d: int, v: int, dtype, pallas_config=None) -> str:
+    """What lm_head_loss(impl=impl, pallas_config=...) runs on a head [d, v] in `dtype` (h's
+    and w's result type): "xla"; "mosaic" (lm_head_mgpu's kernel) where impl "mosaic" or the
+    config's lowering asks for it and its tiles fit the head (lm_head_mgpu.fits_head); else
+    "pallas" (the Triton kernel). A run's plan reports it (jaxllmq/plan.py)."""
+    if impl not in IMPLS:
+        raise ValueError(
+            f"lm_head_loss: unknown impl {impl!r} (expected 'xla', 'pallas' or 'mosaic')"
+        )
+    if impl == "xla":
+        return "xla"
+    cfg = pallas_config or LmHeadPallasConfig()
+    asked = impl == "mosaic" or cfg.lowering == "mosaic"
+    return "mosaic" if asked and lm_head_mgpu.fits_head(d, v, dtype, cfg.mosaic) else "pallas"
+
+
 def lm_head_loss(
     h_NxD: jax.Array,
     w_DxV: jax.Array,
@@ -196,33 +215,26 @@ def lm_head_loss(
     reference's autodiff runs them in fp32 (TF32 on GPU: 65 of 280 ms of a 1B step on an H200).
     impl "pallas" never writes logits; its gradient uses max(chunks, N / pallas_config.chunk_tokens)
     chunks. impl "mosaic" is "pallas" with the kernel's Mosaic GPU lowering (lm_head_mgpu) where
-    it applies. The gradient flows to h and w only.
+    its tiles fit the head (kernel_used). The gradient flows to h and w only.
     """
-    if impl not in ("xla", "pallas", "mosaic"):
-        raise ValueError(
-            f"lm_head_loss: unknown impl {impl!r} (expected 'xla', 'pallas' or 'mosaic')"
-        )
-    if impl == "mosaic":
-        impl = "pallas"
-        pallas_config = dataclasses.replace(
-            pallas_config or LmHeadPallasConfig(), lowering="mosaic"
-        )
+    dtype = jnp.result_type(h_NxD, w_DxV)
+    (n, d), v = h_NxD.shape, w_DxV.shape[1]
+    kernel = kernel_used(impl, d, v, dtype, pallas_config)
     if chunks < 1:
         raise ValueError(f"lm_head_loss: chunks must be >= 1, got {chunks}")
-    dtype = jnp.result_type(h_NxD, w_DxV)
-    n = h_NxD.shape[0]
     cfg = None
-    if impl == "pallas":
-        cfg = pallas_config or LmHeadPallasConfig()
+    if kernel == "xla":
+        chunk_len = P.cdiv(n, chunks)
+    else:
         cfg = dataclasses.replace(
-            cfg, interpret=P.default_interpret() if interpret is None else interpret
+            pallas_config or LmHeadPallasConfig(),
+            lowering="mosaic" if kernel == "mosaic" else "triton",
+            interpret=P.default_interpret() if interpret is None else interpret,
         )
         chunks = max(chunks, P.cdiv(n, cfg.chunk_tokens))
-        chunk_len = P.cdiv(P.cdiv(n, chunks), cfg.block_m) * cfg.block_m
-    else:
-        chunk_len = P.cdiv(n, chunks)
+        chunk_len = P.cdiv(P.cdiv(n, chunks), cfg.rows) * cfg.rows
     plan = _Plan(
-        impl=impl,
+        impl="xla" if kernel == "xla" else "pallas",
         chunks=chunks,
         chunk_len=chunk_len,
         n_tokens=n,

@@ -45,6 +45,11 @@ class MosaicTiles:
     # but the step no faster than the spread (docs/PERFORMANCE.md): the defaults stay.
     semantics: str = "lane"
 
+    @property
+    def rows(self) -> int:
+        """Tokens a cluster takes at once: the multiple of which a call's tokens must be."""
+        return self.tile_m * self.cluster_m
+
     def __post_init__(self):
         if self.cluster_m not in (1, 2) or self.semantics not in ("lane", "warpgroup"):
             raise ValueError(
@@ -58,12 +63,17 @@ def _num_clusters(tiles: MosaicTiles, n_tiles: int) -> int:
     return min(ctas // tiles.cluster_m, n_tiles)
 
 
-def applies(n: int, d: int, v: int, dtype, tiles: MosaicTiles) -> bool:
-    """Whether the kernel takes [n, d] x [d, v] in `dtype`: tile-aligned, 16-bit (wgmma would
-    round fp32 operands to tf32)."""
-    rows = tiles.tile_m * tiles.cluster_m
-    aligned = n % rows == 0 and v % (2 * tiles.tile_n) == 0 and d % tiles.tile_k == 0
+def fits_head(d: int, v: int, dtype, tiles: MosaicTiles) -> bool:
+    """Whether the kernel takes a head [d, v] in `dtype`: its tiles divide d and v, 16-bit
+    (wgmma would round fp32 operands to tf32)."""
+    aligned = v % (2 * tiles.tile_n) == 0 and d % tiles.tile_k == 0
     return aligned and jnp.dtype(dtype).itemsize == 2
+
+
+def applies(n: int, d: int, v: int, dtype, tiles: MosaicTiles) -> bool:
+    """Whether the kernel takes [n, d] x [d, v] in `dtype`: the head fits and n is a multiple of
+    its token tiles (tiles.rows)."""
+    return n % tiles.rows == 0 and fits_head(d, v, dtype, tiles)
 
 
 def _interpret_params():

@@ -16,6 +16,7 @@ dw = h^T @ dlogits) run on cuBLAS. q is written for one chunk of tokens at a tim
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -42,11 +43,19 @@ class LmHeadPallasConfig:
     # less: on the 1B step (H200) 8192 against 2048 gave +0.8% tokens/s on each of two GPUs for
     # 3 GiB (docs/PERFORMANCE.md). --lmhead_chunks splits further where memory is short.
     chunk_tokens: int = 8192
-    # "triton": the kernel below; "mosaic": lm_head_mgpu's Hopper kernel where it applies
-    # (bf16 shapes aligned to its tiles; the Triton kernel elsewhere).
+    # "triton": the kernel below; "mosaic": lm_head_mgpu's Hopper kernel (lm_head_loss.kernel_used
+    # keeps it to heads its tiles fit, the Triton kernel elsewhere).
     lowering: str = "triton"
     mosaic: lm_head_mgpu.MosaicTiles = lm_head_mgpu.MosaicTiles()
     interpret: bool = False
+
+    @property
+    def rows(self) -> int:
+        """The multiple a call's tokens are padded to: block_m, and the Mosaic kernel's token
+        tiles too under its lowering (so that only the head decides which kernel runs)."""
+        if self.lowering == "mosaic":
+            return math.lcm(self.block_m, self.mosaic.rows)
+        return self.block_m
 
 
 def _kernel(h_ref, w_ref, t_ref, *out_refs, n_m, n_v, d, v, cfg, with_q):
@@ -132,8 +141,7 @@ def lm_head_tiles(
 
 def _tiles(h_c, w, t_c, cfg: LmHeadPallasConfig, with_q: bool) -> tuple[jax.Array, ...]:
     """lm_head_tiles through the configured lowering: (lse_part, target logit[, q])."""
-    (n, d), v = h_c.shape, w.shape[1]
-    if cfg.lowering == "mosaic" and lm_head_mgpu.applies(n, d, v, w.dtype, cfg.mosaic):
+    if cfg.lowering == "mosaic":
         lse_part, *q = lm_head_mgpu.lm_head_tiles(h_c, w, cfg.mosaic, with_q, cfg.interpret)
         # The target logit: each token's row of h against its target's column of w.
         w_t = jnp.take(w, t_c, axis=1).T

@@ -155,14 +155,24 @@ def _shared_input_matmuls_bwd(res, cts):
 shared_input_matmuls.defvjp(_shared_input_matmuls_fwd, _shared_input_matmuls_bwd)
 
 
-def resolve_attention(attention: str, dtype) -> str:
-    """'auto' -> cuDNN's fused attention on GPU in bf16/fp16, XLA's otherwise."""
+def resolve_attention(
+    attention: str, dtype, *, platform: str | None = None, deterministic: bool = False
+) -> str:
+    """'auto' -> cuDNN's fused attention on GPU (`platform`, default jax's backend) in bf16/fp16,
+    XLA's otherwise, and XLA's under XLA's deterministic ops (cuDNN's crashes under them)."""
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
     if attention != "auto":
         return attention
-    on_gpu = jax.default_backend() == "gpu"
-    return "cudnn" if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
+    on_gpu = (platform or jax.default_backend()) in ("gpu", "cuda")
+    fused = on_gpu and not deterministic and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    return "cudnn" if fused else "xla"
+
+
+def can_fuse_qkv_grads(linear_dtype: str | None) -> bool:
+    """Whether q/k/v's input gradient can be one GEMM (shared_input_matmuls): with plain
+    matmuls, not fp8 block linears."""
+    return linear_dtype is None
 
 
 def attend(
@@ -293,7 +303,7 @@ class Llama(nnx.Module):
         self.fp8_quantizer = fp8_quantizer or fp8.XLA_QUANTIZER  # x and g into both fp8 layouts
         # q/k/v's input gradient as one GEMM (shared_input_matmuls); not with fp8 linears, and
         # the caller's to ask for only without tensor parallelism.
-        self.fuse_qkv_grads = fuse_qkv_grads and linear_dtype is None
+        self.fuse_qkv_grads = fuse_qkv_grads and can_fuse_qkv_grads(linear_dtype)
         fp8.linear_fn(linear_dtype, gradient_dtype)  # unknown names fail here, not in a trace
         self.scan_layers = scan_layers
         self.attention = resolve_attention(attention, dtype)

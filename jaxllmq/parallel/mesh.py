@@ -8,6 +8,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
+MESH_AXES = (DATA, FSDP, TENSOR)  # the mesh's axes, major first
 BATCH_AXES = (DATA, FSDP)  # the batch is split over every non-tensor device
 
 
@@ -44,7 +45,7 @@ def make_mesh(gpus: int = 0, *, tensor_parallel: int = 1, data_parallel: int = 1
             f"--tensor_parallel={tensor_parallel} groups"
         )
     shape = (data_parallel, n // (tensor_parallel * data_parallel), tensor_parallel)
-    return Mesh(np.asarray(chosen).reshape(shape), (DATA, FSDP, TENSOR))
+    return Mesh(np.asarray(chosen).reshape(shape), MESH_AXES)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

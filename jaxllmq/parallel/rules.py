@@ -16,7 +16,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from jaxllmq.parallel.mesh import FSDP, TENSOR, MeshError
 
@@ -41,7 +41,7 @@ ZERO_LEVELS = (1, 2, 3)
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Tables:
     """Where the parameters, gradients and optimizer state live, for one ZeRO level."""
 
     params: Rules
@@ -49,7 +49,7 @@ class Plan:
     opt: Rules
 
 
-def plan(zero_level: int, streamed_update: bool = False) -> Plan:
+def tables(zero_level: int, streamed_update: bool = False) -> Tables:
     """The three tables for a ZeRO level; `streamed_update`: the optimizer runs one layer at a
     time (host offload)."""
     if zero_level not in ZERO_LEVELS:
@@ -57,15 +57,17 @@ def plan(zero_level: int, streamed_update: bool = False) -> Plan:
     zero = lambda level: {**TENSOR_RULES, **ZERO_RULES} if zero_level >= level else TENSOR_RULES
     by_layer = {} if streamed_update else LAYER_SPLIT
     opt = {**TENSOR_RULES, **by_layer, **ZERO1_OPT_RULES} if zero_level == 1 else zero(1)
-    return Plan(params=zero(3), grads=zero(2), opt=opt)
+    return Tables(params=zero(3), grads=zero(2), opt=opt)
 
 
-def _as_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+def as_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
     """A rules value or PartitionSpec entry (one mesh axis, several, or None) as a tuple."""
     return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
-def spec(axes: tuple[str, ...], shape: tuple[int, ...], rules: Rules, mesh: Mesh) -> PartitionSpec:
+def spec(
+    axes: tuple[str, ...], shape: tuple[int, ...], rules: Rules, mesh: Mesh | AbstractMesh
+) -> PartitionSpec:
     """PartitionSpec for one array: each logical axis mapped by `rules`, where its size divides.
 
     A mesh axis is used once per array, by the first dimension that names it. Of a dimension's
@@ -76,7 +78,7 @@ def spec(axes: tuple[str, ...], shape: tuple[int, ...], rules: Rules, mesh: Mesh
     used, out = set(), []
     for name, size in zip(axes, shape, strict=True):
         # Axes an earlier dimension took stay with it (e.g. fsdp).
-        group = [a for a in _as_axes(rules.get(name)) if a not in used]
+        group = [a for a in as_axes(rules.get(name)) if a not in used]
         while group and size % math.prod(mesh.shape[a] for a in group):
             group.pop()  # the major axes alone, if they divide
         used.update(group)
@@ -84,14 +86,11 @@ def spec(axes: tuple[str, ...], shape: tuple[int, ...], rules: Rules, mesh: Mesh
     return PartitionSpec(*out)
 
 
-def shardings(axes_tree: dict, abstract_tree: dict, rules: Rules, mesh: Mesh) -> dict:
-    """NamedShardings for a params-shaped tree, from its logical axes and shapes."""
+def specs(axes_tree: dict, abstract_tree: dict, rules: Rules, mesh: Mesh | AbstractMesh) -> dict:
+    """PartitionSpecs for a params-shaped tree, from its logical axes and shapes."""
     is_axes = lambda x: isinstance(x, tuple)
     return jax.tree.map(
-        lambda axes, x: NamedSharding(mesh, spec(axes, x.shape, rules, mesh)),
-        axes_tree,
-        abstract_tree,
-        is_leaf=is_axes,
+        lambda axes, x: spec(axes, x.shape, rules, mesh), axes_tree, abstract_tree, is_leaf=is_axes
     )
 
 
@@ -121,7 +120,7 @@ def _gathered_dim(src: PartitionSpec, dst: PartitionSpec, ndim: int) -> int | No
     has it, with fsdp the minor-most axis of that dimension's split; else None."""
 
     def entries(spec: PartitionSpec) -> list[tuple[str, ...]]:
-        return [_as_axes(e) for e in (*spec, *[None] * (ndim - len(spec)))]
+        return [as_axes(e) for e in (*spec, *[None] * (ndim - len(spec)))]
 
     a, b = entries(src), entries(dst)
     diff = [d for d in range(ndim) if a[d] != b[d]]

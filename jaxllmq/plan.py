@@ -1,0 +1,233 @@
+"""A run's plan: every choice train_step.build makes, decided before anything is built.
+
+make_plan is a pure function of the model, its settings (ModelSpec, --kernels, --lmhead_chunks,
+--zero_level) and the hardware as plain values (the mesh's axis sizes, the devices' platform,
+kind and compute capability), so a plan can be made, read and tested without the devices. It
+holds each choice as it will run, after every fallback; build only executes it. The trainer
+prints `describe()` at start and logs `to_record()`; the benchmark reports its kernels.
+"""
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+
+from jaxllmq.kernels import KERNELS, is_hopper, resolve_impl
+from jaxllmq.kernels.lm_head_loss import kernel_used
+from jaxllmq.model.architecture import ModelConfig
+from jaxllmq.model.llama import abstract_model, can_fuse_qkv_grads, resolve_attention
+from jaxllmq.offload import DEVICE, HOST, Offload
+from jaxllmq.parallel import rules
+from jaxllmq.parallel.mesh import DATA, FSDP, MESH_AXES, TENSOR
+from jaxllmq.settings import ModelSpec
+
+# What each part of the train state is called in describe().
+_OFFLOADED = {"master": "master weights", "opt_m": "Adam's m", "opt_v": "Adam's v"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a run executes on its mesh: each choice as it will run."""
+
+    mesh_shape: dict[str, int]  # data, fsdp, tensor
+    platform: str  # the devices' ("gpu", "cpu")
+    device_kind: str  # e.g. "NVIDIA H200"
+    zero_level: int
+    # Per fused kernel (kernels.KERNELS): "xla", "pallas", or for the LM-head loss "mosaic",
+    # which falls back to the Triton kernel ("pallas") where its tiles do not fit the head.
+    kernels: dict[str, str]
+    mosaic_fallback: bool  # --kernels chose Mosaic for the LM-head loss; the Triton kernel runs
+    # The LM-head loss and the fp8 quantize pass per device's tokens, under shard_map over the
+    # mesh (False: one call over the whole batch, partitioned by XLA).
+    loss_per_device: bool
+    quantize_per_device: bool
+    lmhead_chunks: int
+    attention: str  # "xla" or "cudnn"
+    fuse_qkv_grads: bool  # q/k/v's input gradient as one GEMM
+    gather_embed_below: int  # micro-batch tokens below which the embedding backward gathers
+    offload: Offload  # which parts of the train state live in pinned host memory
+    # PartitionSpecs shaped like the params: each parameter's as parameter, gradient and
+    # optimizer state (the ZeRO level's tables), and each layer weight's where it is used.
+    param_specs: dict
+    grad_specs: dict
+    opt_specs: dict
+    layer_compute_specs: dict
+
+    def describe(self) -> str:
+        """A few lines for a person: mesh, kernels, shardings, offload."""
+        devices = math.prod(self.mesh_shape.values())
+        mesh = " x ".join(f"{axis} {size}" for axis, size in self.mesh_shape.items())
+        kernels = ", ".join(f"{k} {impl}" for k, impl in self.kernels.items())
+        if self.mosaic_fallback:
+            kernels += " (Mosaic's tiles do not fit the LM head)"
+        qkv = "fused" if self.fuse_qkv_grads else "separate"
+
+        def split(specs: dict) -> str:
+            entries = [e for s in jax.tree.leaves(specs, is_leaf=_is_spec) for e in s]
+            axes = {a for e in entries for a in rules.as_axes(e) if self.mesh_shape[a] > 1}
+            return f"split over {', '.join(sorted(axes))}" if axes else "replicated"
+
+        embed = (
+            f"gathers the tokens' gradients below {self.gather_embed_below} tokens a micro-batch"
+            if self.gather_embed_below
+            else "reduces the table's gradient"
+        )
+        on_host = [_OFFLOADED[k] for k, on in dataclasses.asdict(self.offload).items() if on]
+        offload = f"{', '.join(on_host)} in pinned host memory" if on_host else "none"
+        return "\n".join(
+            [
+                f"plan: {devices} {self.device_kind or self.platform} device(s), {mesh}, "
+                f"ZeRO-{self.zero_level}",
+                f"kernels: {kernels}; attention {self.attention}; q/k/v input gradients {qkv}",
+                f"params {split(self.param_specs)}, gradients {split(self.grad_specs)}, "
+                f"optimizer state {split(self.opt_specs)}; the embedding backward {embed}",
+                f"offload: {offload}",
+            ]
+        )
+
+    def to_record(self) -> dict:
+        """The plan as a JSON-able dict: PartitionSpecs as strings, per parameter."""
+        record = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if not f.name.endswith("_specs") and f.name != "offload"
+        }
+        record["offload"] = {
+            part: HOST if on else DEVICE for part, on in dataclasses.asdict(self.offload).items()
+        }
+        flat = lambda specs: jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
+        shardings = {}
+        for (path, param), (_, grad), (_, opt) in zip(
+            flat(self.param_specs), flat(self.grad_specs), flat(self.opt_specs), strict=True
+        ):
+            keys = [k.key for k in path]
+            group = {"params": param, "grads": grad, "opt": opt}
+            if keys[0] == "layers":
+                group["compute"] = self.layer_compute_specs[keys[1]]
+            shardings[".".join(keys)] = {part: _spec_str(s) for part, s in group.items()}
+        record["shardings"] = shardings
+        return record
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _spec_str(spec: PartitionSpec) -> str:
+    """E.g. "P('fsdp', None)", "P(('tensor', 'fsdp'), None)", "P()" (replicated)."""
+    return f"P({', '.join(map(repr, spec))})"
+
+
+def gather_embed_below(vocab: int, mesh_shape: Mapping[str, int], zero_level: int) -> int:
+    """Micro-batch size in tokens below which the embedding's backward gathers the tokens'
+    gradients rather than reducing the table's dense gradient (Llama.embed).
+
+    Per device, the gather receives (n - 1) x tokens/n x D elements for n batch devices; the
+    table's reduction (n - 1)/n x V x D as a reduce-scatter (ZeRO-2/3), twice that as an
+    all-reduce (ZeRO-1, gradients replicated). So: gather below V tokens, or 2V at ZeRO-1.
+    Not under tensor parallelism: the vocab-split table's lookup is summed over the tensor axis,
+    which for the whole batch would cost the forward pass what the backward saves (unmeasured).
+    """
+    if mesh_shape[DATA] * mesh_shape[FSDP] == 1 or mesh_shape[TENSOR] > 1:
+        return 0
+    return vocab * (2 if zero_level == 1 else 1)
+
+
+def make_plan(
+    model_cfg: ModelConfig,
+    spec: ModelSpec,
+    *,
+    mesh_shape: Mapping[str, int],
+    platform: str,
+    device_kind: str = "",
+    compute_capability: str = "",
+    zero_level: int = 1,
+) -> Plan:
+    """The plan for `model_cfg` and `spec` on a mesh of `mesh_shape` (data, fsdp, tensor) of
+    `platform` devices (`compute_capability` "9.x": Hopper GPUs) at `zero_level`. Refuses a tensor-parallel size that does not
+    divide the model, and a ZeRO level that does not exist."""
+    shape = {axis: int(mesh_shape[axis]) for axis in MESH_AXES}
+    devices, tp = math.prod(shape.values()), shape[TENSOR]
+    rules.check_tensor_parallel(
+        tp,
+        heads=model_cfg.num_attention_heads,
+        kv_heads=model_cfg.num_key_value_heads,
+        ffn=model_cfg.intermediate_size,
+        vocab=model_cfg.vocab_size,
+    )
+    tables = rules.tables(zero_level, streamed_update=spec.offload.any)
+    hopper = is_hopper(compute_capability)
+    chosen = {
+        k: resolve_impl(
+            spec.kernels,
+            k,
+            platform=platform,
+            num_devices=devices,
+            tensor_parallel=tp,
+            hopper=hopper,
+        )
+        for k in KERNELS
+    }
+    dtype = jnp.dtype(spec.compute_dtype)  # the compute dtype: the LM head's and attention's
+    head = kernel_used(chosen["lm_head_loss"], model_cfg.hidden_size, model_cfg.vocab_size, dtype)
+    run = {**chosen, "lm_head_loss": head}
+    # A Pallas call has no partitioning rule: on several devices it runs per device's tokens.
+    per_device = lambda impl: impl in ("pallas", "mosaic") and devices > 1
+    attention = resolve_attention(
+        spec.attention, dtype, platform=platform, deterministic=spec.deterministic
+    )
+    mesh = AbstractMesh(tuple(shape.values()), MESH_AXES)
+    _, abstract, axes = abstract_model(model_cfg, attention=attention)
+    return Plan(
+        mesh_shape=shape,
+        platform=platform,
+        device_kind=device_kind,
+        zero_level=zero_level,
+        kernels=run,
+        mosaic_fallback=chosen["lm_head_loss"] == "mosaic" and head != "mosaic",
+        # The XLA loss too, without tensor parallelism (which splits the vocab): per device, its
+        # weight gradient is cast to the compute dtype before shard_map sums it across devices,
+        # where XLA's partitioner reduced the fp32 product, twice the bytes.
+        loss_per_device=(devices > 1 and tp == 1) or per_device(head),
+        quantize_per_device=per_device(run["fp8_quantize"]),
+        lmhead_chunks=spec.lmhead_chunks,
+        attention=attention,
+        # Not under tensor parallelism, which splits q, k and v by heads: the concatenation
+        # would cross that split.
+        fuse_qkv_grads=tp == 1 and can_fuse_qkv_grads(spec.linear_dtype),
+        gather_embed_below=gather_embed_below(model_cfg.vocab_size, shape, zero_level),
+        offload=spec.offload,
+        param_specs=rules.specs(axes, abstract, tables.params, mesh),
+        grad_specs=rules.specs(axes, abstract, tables.grads, mesh),
+        opt_specs=rules.specs(axes, abstract, tables.opt, mesh),
+        # A layer's weights are used with their tensor-parallel sharding only (gathered over
+        # fsdp); the stacked [L] axis dropped.
+        layer_compute_specs={
+            name: rules.spec(axes["layers"][name][1:], x.shape[1:], rules.TENSOR_RULES, mesh)
+            for name, x in abstract["layers"].items()
+        },
+    )
+
+
+def plan_for(
+    model_cfg: ModelConfig,
+    spec: ModelSpec,
+    mesh: Mesh,
+    *,
+    zero_level: int = 1,
+) -> Plan:
+    """make_plan for `mesh`: its axis sizes, and its first device's platform, kind and compute
+    capability."""
+    device = mesh.devices.flat[0]
+    return make_plan(
+        model_cfg,
+        spec,
+        mesh_shape=mesh.shape,
+        platform=device.platform,
+        device_kind=device.device_kind,
+        compute_capability=str(getattr(device, "compute_capability", "")),
+        zero_level=zero_level,
+    )
