@@ -29,8 +29,8 @@ def _mesh(data: int = 1, fsdp: int = 1, tensor: int = 1) -> dict[str, int]:
     return {"data": data, "fsdp": fsdp, "tensor": tensor}
 
 
-def _plan(cfg=TINY, spec=BF16, mesh=None, hardware=H200, kernels="auto", zero_level=1):
-    spec = dataclasses.replace(spec, kernels=kernels)
+def _plan(cfg=TINY, spec=BF16, mesh=None, hardware=H200, zero_level=1, **spec_fields):
+    spec = dataclasses.replace(spec, **spec_fields)  # --kernels, --lmhead_chunks
     return make_plan(cfg, spec, mesh_shape=mesh or _mesh(), **hardware, zero_level=zero_level)
 
 
@@ -95,7 +95,7 @@ def test_several_gpus_and_tensor_parallelism():
 
 
 def test_fp8_linears_keep_q_k_v_gradients_apart():
-    assert not _plan(spec=dataclasses.replace(BF16, linear_dtype="e4m3")).fuse_qkv_grads
+    assert not _plan(spec=dataclasses.replace(BF16, matmul_dtype="e4m3")).fuse_qkv_grads
 
 
 @pytest.mark.parametrize(
