@@ -4,9 +4,10 @@ import torch
 import transformers
 
 
-def tiny_llama(path: str, seed: int = 0) -> transformers.PreTrainedModel:
-    """A Llama with GQA, llama3 rope scaling and untied embeddings, saved as safetensors to path."""
-    cfg = transformers.LlamaConfig(
+def tiny_llama(path: str, seed: int = 0, **fields) -> transformers.PreTrainedModel:
+    """A Llama with GQA, llama3 rope scaling and untied embeddings (config `fields` override),
+    saved as safetensors to path."""
+    cfg = dict(
         vocab_size=311,
         hidden_size=64,
         intermediate_size=176,
@@ -25,7 +26,9 @@ def tiny_llama(path: str, seed: int = 0) -> transformers.PreTrainedModel:
         },
         tie_word_embeddings=False,
     )
-    return _build(transformers.LlamaForCausalLM, cfg, path, seed)
+    return _build(
+        transformers.LlamaForCausalLM, transformers.LlamaConfig(**{**cfg, **fields}), path, seed
+    )
 
 
 def tiny_qwen2(path: str, seed: int = 0) -> transformers.PreTrainedModel:
@@ -43,6 +46,25 @@ def tiny_qwen2(path: str, seed: int = 0) -> transformers.PreTrainedModel:
         tie_word_embeddings=True,
     )
     return _build(transformers.Qwen2ForCausalLM, cfg, path, seed)
+
+
+def tiny_mistral(path: str, sliding_window: int, seed: int = 0) -> transformers.PreTrainedModel:
+    """A Mistral with GQA, an explicit head_dim and a sliding window, saved as safetensors."""
+    cfg = transformers.MistralConfig(
+        vocab_size=257,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        sliding_window=sliding_window,
+        tie_word_embeddings=False,
+    )
+    return _build(transformers.MistralForCausalLM, cfg, path, seed)
 
 
 def _build(cls, cfg, path: str, seed: int) -> transformers.PreTrainedModel:
