@@ -6,6 +6,9 @@ import math
 import os
 from typing import Any
 
+from jaxllmq.model.checks import ModelConfigError, check_int, check_number, is_int
+from jaxllmq.model.rope import RopeScaling, read_rope
+
 # Architectures whose math is this module's: Llama's decoder (Mistral without its sliding window
 # is the same; Qwen2 adds q/k/v biases).
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -14,55 +17,6 @@ _MODEL_TYPE = {
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
 }
-ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class ModelConfigError(ValueError):
-    """A model config that this trainer cannot build, with what to do about it."""
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)  # JSON's true is no size
-
-
-def _check_int(name: str, x: Any) -> None:
-    """Refuse a size that is not a positive integer ("256", 256.0 and true included)."""
-    if not _is_int(x) or x <= 0:
-        raise ModelConfigError(f"{name} must be a positive integer, got {x!r}")
-
-
-def _check_number(name: str, x: Any, minimum: float | None = None) -> None:
-    """Refuse a value that is not a finite number, > 0 (or >= minimum where given)."""
-    try:
-        ok = (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
-    except OverflowError:  # an integer past float's range
-        ok = False
-    if not ok or (x < minimum if minimum is not None else x <= 0):
-        bound = f">= {minimum}" if minimum is not None else "> 0"
-        raise ModelConfigError(f"{name} must be a number {bound}, got {x!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling: "linear" (factor) or "llama3" (factor, low/high, original ctx)."""
-
-    rope_type: str
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def __post_init__(self):
-        if self.rope_type not in ("linear", "llama3"):
-            raise ModelConfigError(
-                f"rope scaling type {self.rope_type!r} is not implemented "
-                f"(supported: linear, llama3)"
-            )
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            _check_number(f"rope scaling {name}", getattr(self, name))
-        _check_int(
-            "rope scaling original_max_position_embeddings", self.original_max_position_embeddings
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,19 +56,19 @@ class ModelConfig:
             "num_key_value_heads",
             "max_position_embeddings",
         ):
-            _check_int(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         for name in ("head_dim", "sliding_window"):
             if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name))
-        _check_number("rms_norm_eps", self.rms_norm_eps, minimum=0.0)
-        _check_number("rope_theta", self.rope_theta)
+                check_int(name, getattr(self, name))
+        check_number("rms_norm_eps", self.rms_norm_eps, minimum=0.0)
+        check_number("rope_theta", self.rope_theta)
         for name in ("tie_word_embeddings", "attention_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ModelConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.bos_token_id is not None and not _is_int(self.bos_token_id):
+        if self.bos_token_id is not None and not is_int(self.bos_token_id):
             raise ModelConfigError(f"bos_token_id must be an integer, got {self.bos_token_id!r}")
         eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
-        if any(i is not None and not _is_int(i) for i in eos):
+        if any(i is not None and not is_int(i) for i in eos):
             raise ModelConfigError(
                 f"eos_token_id must be an integer or a list of them, got {self.eos_token_id!r}"
             )
@@ -211,7 +165,7 @@ class ModelConfig:
         def get(key: str, default: Any) -> Any:  # absent or null: the default
             return default if d.get(key) is None else d[key]
 
-        theta, scaling = _read_rope(d)
+        theta, scaling = read_rope(d)
         heads = d["num_attention_heads"]
         return cls(
             vocab_size=d["vocab_size"],
@@ -298,34 +252,6 @@ class ModelConfig:
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(self.to_hf_dict(), f, indent=2)
             f.write("\n")
-
-
-def _read_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """RoPE theta and scaling from either spelling: rope_theta + rope_scaling, or rope_parameters."""
-    params = d.get("rope_parameters")
-    scaling = d.get("rope_scaling")
-    theta = d.get("rope_theta")
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", theta)
-        scaling = params
-    if theta is None:
-        theta = 10000.0
-    _check_number("rope_theta", theta)
-    if not scaling:
-        return float(theta), None
-    if not isinstance(scaling, dict):
-        raise ModelConfigError(f"rope_scaling must be a JSON object, got {scaling!r}")
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return float(theta), None
-    if rope_type not in ROPE_TYPES:
-        raise ModelConfigError(
-            f"rope scaling type {rope_type!r} is not implemented "
-            f"(supported: {', '.join(ROPE_TYPES)})"
-        )
-    fields = {k: scaling[k] for k in dataclasses.asdict(RopeScaling("linear")) if k in scaling}
-    fields["rope_type"] = rope_type
-    return float(theta), RopeScaling(**fields)
 
 
 _LLAMA3_ROPE = dict(
