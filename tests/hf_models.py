@@ -48,6 +48,25 @@ def tiny_qwen2(path: str, seed: int = 0) -> transformers.PreTrainedModel:
     return _build(transformers.Qwen2ForCausalLM, cfg, path, seed)
 
 
+def tiny_qwen3(path: str, tie: bool = False, seed: int = 0) -> transformers.PreTrainedModel:
+    """A Qwen3 with q/k norms, head_dim 32 (query width 128 over hidden 64) and tied or untied
+    embeddings, saved as safetensors to path."""
+    cfg = transformers.Qwen3Config(
+        vocab_size=283,
+        hidden_size=64,
+        intermediate_size=144,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        rope_theta=1000000.0,
+        tie_word_embeddings=tie,
+    )
+    return _build(transformers.Qwen3ForCausalLM, cfg, path, seed)
+
+
 def tiny_mistral(path: str, sliding_window: int, seed: int = 0) -> transformers.PreTrainedModel:
     """A Mistral with GQA, an explicit head_dim and a sliding window, saved as safetensors."""
     cfg = transformers.MistralConfig(

@@ -1,6 +1,7 @@
 """Parity with transformers in float32, HF import/export round trips and bad checkpoints."""
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -9,19 +10,25 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from hf_models import hf_logits, tiny_llama, tiny_qwen2
+from hf_models import hf_logits, tiny_llama, tiny_qwen2, tiny_qwen3
 from safetensors.numpy import load_file, save_file
 
 from jaxllmq.model import hf
 from jaxllmq.model.architecture import ModelConfig, ModelConfigError
 from jaxllmq.model.llama import abstract_model, params_of
 
+BUILDERS = {
+    "llama": tiny_llama,
+    "qwen2": tiny_qwen2,
+    "qwen3": tiny_qwen3,
+    "qwen3-tied": functools.partial(tiny_qwen3, tie=True),
+}
 
-@pytest.fixture(params=["llama", "qwen2"], scope="module")
+
+@pytest.fixture(params=sorted(BUILDERS), scope="module")
 def hf_dir(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(request.param))
-    model = (tiny_llama if request.param == "llama" else tiny_qwen2)(path)
-    return path, model
+    return path, BUILDERS[request.param](path)
 
 
 def _tokens(vocab: int, seed: int) -> np.ndarray:

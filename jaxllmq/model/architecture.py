@@ -10,13 +10,15 @@ from jaxllmq.model.checks import ModelConfigError, check_int, check_number, is_i
 from jaxllmq.model.rope import RopeScaling, read_rope
 
 # Architectures whose math is this module's: Llama's decoder (Mistral without its sliding window
-# is the same; Qwen2 adds q/k/v biases).
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# is the same; Qwen2 adds q/k/v biases; Qwen3 RMS-normalizes each head's q and k before RoPE).
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
 _MODEL_TYPE = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
+    "Qwen3ForCausalLM": "qwen3",
 }
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +84,8 @@ class ModelConfig:
                 f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
                 f"({self.num_attention_heads}); set head_dim explicitly"
             )
+        if self.qk_norm and self.attention_bias:  # transformers' Qwen3 would bias o_proj too
+            raise ModelConfigError(f"attention_bias=true is not supported for {self.architecture}")
         if self.head_dim is None:  # normalized, so equal shapes compare equal
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.dim_per_head % 2:
@@ -91,6 +95,12 @@ class ModelConfig:
     def dim_per_head(self) -> int:
         """Head dimension Dh, explicit or hidden_size / heads."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether each head's q and k are RMS-normalized (weights q_norm, k_norm [Dh]) before
+        RoPE, as Qwen3 does."""
+        return self.architecture == "Qwen3ForCausalLM"
 
     @property
     def model_type(self) -> str:
@@ -110,7 +120,7 @@ class ModelConfig:
             self.num_key_value_heads * self.dim_per_head,
         )
         attn = D * q + 2 * D * kv + q * D + (q + 2 * kv if self.attention_bias else 0)
-        layer = attn + 3 * D * F + 2 * D
+        layer = attn + 3 * D * F + 2 * D + (2 * self.dim_per_head if self.qk_norm else 0)
         return V * D * (1 if self.tie_word_embeddings else 2) + L * layer + D
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -159,7 +169,7 @@ class ModelConfig:
             raise ModelConfigError(f"hidden_act {act!r} is not supported (only silu)")
         if d.get("mlp_bias"):
             raise ModelConfigError("mlp_bias=true is not supported")
-        if arch == "Qwen2ForCausalLM" and d.get("use_sliding_window"):
+        if arch in _QWEN and d.get("use_sliding_window"):
             raise ModelConfigError("use_sliding_window=true is not supported")
 
         def get(key: str, default: Any) -> Any:  # absent or null: the default
@@ -175,7 +185,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=get("num_key_value_heads", heads),
             head_dim=d.get("head_dim"),
-            rms_norm_eps=get("rms_norm_eps", 1e-6 if arch == "Qwen2ForCausalLM" else 1e-5),
+            rms_norm_eps=get("rms_norm_eps", 1e-6 if arch in _QWEN else 1e-5),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=get("max_position_embeddings", 4096),
@@ -224,6 +234,8 @@ class ModelConfig:
             d.update(attention_bias=self.attention_bias, mlp_bias=False)
         elif self.architecture == "Qwen2ForCausalLM":
             d.update(use_sliding_window=False, sliding_window=None)
+        elif self.architecture == "Qwen3ForCausalLM":
+            d.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
         else:
             d.update(sliding_window=self.sliding_window)
         return d
@@ -282,6 +294,22 @@ def _qwen25(**kw: Any) -> ModelConfig:
         architecture="Qwen2ForCausalLM",
         bos_token_id=151643,
         eos_token_id=151643,
+    )
+    return ModelConfig(**{**base, **kw})
+
+
+def _qwen3(**kw: Any) -> ModelConfig:
+    base = dict(
+        vocab_size=151936,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        architecture="Qwen3ForCausalLM",
+        bos_token_id=151643,
+        eos_token_id=151645,
     )
     return ModelConfig(**{**base, **kw})
 
@@ -380,6 +408,30 @@ PRESETS: dict[str, ModelConfig] = {
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         max_position_embeddings=131072,
+    ),
+    # Qwen3's published config.json values (head_dim 128 whatever hidden_size / heads is).
+    "qwen3-0.6b": _qwen3(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16
+    ),
+    "qwen3-1.7b": _qwen3(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16
+    ),
+    "qwen3-4b": _qwen3(
+        hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32
+    ),
+    "qwen3-8b": _qwen3(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-14b": _qwen3(
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        tie_word_embeddings=False,
     ),
 }
 

@@ -33,6 +33,8 @@ LAYER_NAMES: dict[str, tuple[str, bool]] = {
     "q_bias": ("model.layers.{i}.self_attn.q_proj.bias", False),
     "k_bias": ("model.layers.{i}.self_attn.k_proj.bias", False),
     "v_bias": ("model.layers.{i}.self_attn.v_proj.bias", False),
+    "q_norm": ("model.layers.{i}.self_attn.q_norm.weight", False),
+    "k_norm": ("model.layers.{i}.self_attn.k_norm.weight", False),
     "post_attention_layernorm": ("model.layers.{i}.post_attention_layernorm.weight", False),
     "gate_proj": ("model.layers.{i}.mlp.gate_proj.weight", True),
     "up_proj": ("model.layers.{i}.mlp.up_proj.weight", True),

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3.x, Qwen2/2.5, Mistral) in Flax NNX.
+"""The Llama-family decoder (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral) in Flax NNX.
 
 Shape letters: B batch, T sequence, D model dim, N query heads, K kv heads, H head dim,
 F ffn dim, V vocab, L layers.
@@ -60,6 +60,9 @@ class DecoderLayers(nnx.Module):
             self.q_bias = vec(NH, "q_heads", 0.0)
             self.k_bias = vec(KH, "kv_heads", 0.0)
             self.v_bias = vec(KH, "kv_heads", 0.0)
+        if cfg.qk_norm:
+            self.q_norm = vec(cfg.dim_per_head, "head_dim", 1.0)
+            self.k_norm = vec(cfg.dim_per_head, "head_dim", 1.0)
         self.post_attention_layernorm = vec(D, "norm", 1.0)
         self.gate_proj = mat((D, F), ("embed", "mlp"))
         self.up_proj = mat((D, F), ("embed", "mlp"))
@@ -246,6 +249,9 @@ def decoder_layer(
         v = linear(h_BxTxD, w["v_proj"], "v_proj")
     if cfg.attention_bias:
         q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    if cfg.qk_norm:  # each head's q and k RMS-normalized, before RoPE (Qwen3)
+        q = rms_norm(q.reshape(B, T, N, H), w["q_norm"], eps, impl=norm_impl)
+        k = rms_norm(k.reshape(B, T, K, H), w["k_norm"], eps, impl=norm_impl)
     q_BxTxNxH = checkpoint_name(apply_rope(q.reshape(B, T, N, H), cos_BxTxH, sin_BxTxH), QKV)
     k_BxTxKxH = checkpoint_name(apply_rope(k.reshape(B, T, K, H), cos_BxTxH, sin_BxTxH), QKV)
     v_BxTxKxH = checkpoint_name(v.reshape(B, T, K, H), QKV)

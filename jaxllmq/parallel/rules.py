@@ -25,8 +25,9 @@ Rules = dict[str, str | tuple[str, ...]]
 
 TENSOR_RULES: Rules = {"q_heads": TENSOR, "kv_heads": TENSOR, "mlp": TENSOR, "vocab": TENSOR}
 # Every matrix has an embed (D) dimension and every norm weight a norm (D) one: sharding D over the
-# fsdp axis splits every large array evenly.
-ZERO_RULES: Rules = {"embed": FSDP, "norm": FSDP}
+# fsdp axis splits every large array evenly. Qwen3's q/k norm weights ([Dh], one per layer) are
+# split the same way; every tensor-parallel shard of the heads uses all of them.
+ZERO_RULES: Rules = {"embed": FSDP, "norm": FSDP, "head_dim": FSDP}
 # ZeRO-1's optimizer state is split on each array's leading dimension where it divides (layers;
 # the embedding's vocab, each tensor-parallel shard of it): its shard of the summed (replicated)
 # gradients is then a contiguous slice, and the updated parameters' all-gather concatenates whole
