@@ -1,6 +1,8 @@
 """benchmarks/loss_parity.py on CPU: jaxllmq and transformers, from the same weights on the same
-batches with the same AdamW, give the same losses (the peer loss check, at the tiny preset)."""
+batches with the same AdamW, give the same losses (the peer loss check, at the tiny
+preset and a Qwen3 of its size)."""
 
+import dataclasses
 import os
 import sys
 
@@ -14,21 +16,46 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import loss_parity  # noqa: E402
 from loss_parity_peer import run_peer  # noqa: E402
 
+from jaxllmq.model.architecture import preset  # noqa: E402
+
 STEPS = 10
+# The tiny preset (Llama: untied head), and a Qwen3 of its size: q/k norms, head_dim 48 (query
+# width 384 over hidden 256) and the head tied to the embedding, as the small Qwen3s have it.
+FAMILIES = {
+    "tiny": None,
+    "qwen3-0.6b": dataclasses.replace(
+        preset("qwen3-0.6b"),
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=48,
+    ),
+}
 
 
-def test_tiny_losses_match_transformers_step_for_step(tmp_path):
+@pytest.mark.parametrize("model", sorted(FAMILIES))
+def test_losses_match_transformers_step_for_step(model, tmp_path):
     # fp32 on both sides, so that any difference in the loss's normalization, the init, the
     # decayed set, the lr schedule, clipping or AdamW's arithmetic shows above rounding (in bf16
     # the first steps agree to ~5e-4 and drift to ~0.05 by step 50: loss_parity_peer.py says why).
-    batches = loss_parity.markov_batches(8192, STEPS, 2, 64, seed=0)
+    cfg = FAMILIES[model] or preset(model)
+    batches = loss_parity.markov_batches(cfg.vocab_size, STEPS, 2, 64, seed=0)
     hp = dict(lr=3e-3, warmup=3, weight_decay=0.1, grad_clip=1.0)
     jax_out = loss_parity.run_jax(
-        "tiny", batches, hf_dir=str(tmp_path / "hf"), dtype="float32", noise=False, **hp
+        model,
+        batches,
+        hf_dir=str(tmp_path / "hf"),
+        dtype="float32",
+        noise=False,
+        model_cfg=FAMILIES[model],
+        **hp,
     )
     peer = run_peer(str(tmp_path / "hf"), batches, jax_out["decayed"], compile_=False, **hp)
-    # Decay on the matrices but not the embedding (the tiny preset's head is untied).
-    assert "lm_head.weight" in jax_out["decayed"]
+    # Decay on the matrices (an untied head included) but not the embedding, norms or biases.
+    assert ("lm_head.weight" in jax_out["decayed"]) == (not cfg.tie_word_embeddings)
     assert "model.embed_tokens.weight" not in jax_out["decayed"]
     assert not any("norm" in name for name in jax_out["decayed"])
     jax_losses, peer_losses = np.array(jax_out["losses"]), np.array(peer["losses"])
