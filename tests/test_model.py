@@ -100,6 +100,8 @@ def test_unsupported_fields_fail_clearly():
         ModelConfig.from_hf_dict(yarn)
     with pytest.raises(ModelConfigError, match="hidden_act 'gelu'"):
         ModelConfig.from_hf_dict(dict(LLAMA3_HF, hidden_act="gelu"))
+    with pytest.raises(ModelConfigError, match="attention_bias=true.*LlamaForCausalLM"):
+        ModelConfig.from_hf_dict(dict(LLAMA3_HF, attention_bias=True))  # o_proj's bias too
     with pytest.raises(ModelConfigError, match="mlp_bias"):
         ModelConfig.from_hf_dict(dict(LLAMA3_HF, mlp_bias=True))
     with pytest.raises(ModelConfigError, match="missing required field 'vocab_size'"):
@@ -150,7 +152,8 @@ def test_sliding_window_is_refused_past_its_length():
 def test_qkv_input_gradient_as_one_gemm(scan, bias):
     # fuse_qkv_grads: the same loss and gradients, with q/k/v's three input-gradient GEMMs (and
     # their three weight-gradient GEMMs) each replaced by one per layer.
-    cfg = dataclasses.replace(preset("tiny"), num_hidden_layers=2, attention_bias=bias)
+    biases = dict(architecture="Qwen2ForCausalLM", attention_bias=True) if bias else {}
+    cfg = dataclasses.replace(preset("tiny"), num_hidden_layers=2, **biases)
     tokens = jax.random.randint(jax.random.key(2), (2, 33), 0, cfg.vocab_size)
     params = params_of(Llama(cfg, rngs=nnx.Rngs(0)))
     if bias:  # Llama initializes them to zero; nonzero ones must reach the gradients too

@@ -37,7 +37,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v biases (Qwen2 always has them)
+    attention_bias: bool = False  # q/k/v biases: Qwen2's (which always has them) only
     sliding_window: int | None = None  # Mistral: sequences longer than this are refused
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
@@ -84,8 +84,12 @@ class ModelConfig:
                 f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
                 f"({self.num_attention_heads}); set head_dim explicitly"
             )
-        if self.qk_norm and self.attention_bias:  # transformers' Qwen3 would bias o_proj too
-            raise ModelConfigError(f"attention_bias=true is not supported for {self.architecture}")
+        # transformers' Llama and Qwen3 bias o_proj too, and its Mistral reads no biases.
+        if self.attention_bias and self.architecture != "Qwen2ForCausalLM":
+            raise ModelConfigError(
+                f"attention_bias=true is not supported for {self.architecture} (only Qwen2's "
+                "q/k/v biases are)"
+            )
         if self.head_dim is None:  # normalized, so equal shapes compare equal
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.dim_per_head % 2:
@@ -231,7 +235,7 @@ class ModelConfig:
                     original_max_position_embeddings=self.rope_scaling.original_max_position_embeddings,
                 )
         if self.architecture == "LlamaForCausalLM":
-            d.update(attention_bias=self.attention_bias, mlp_bias=False)
+            d.update(attention_bias=False, mlp_bias=False)
         elif self.architecture == "Qwen2ForCausalLM":
             d.update(use_sliding_window=False, sliding_window=None)
         elif self.architecture == "Qwen3ForCausalLM":
