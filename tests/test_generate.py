@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from hf_models import tiny_llama, tiny_qwen2
+from hf_models import tiny_llama, tiny_qwen2, tiny_qwen3
 from tiny_tokenizer import write_tiny_tokenizer
 from tokenizers import Tokenizer
 
@@ -26,10 +26,13 @@ EOS = "<eos>"
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
 
-@pytest.fixture(params=["llama", "qwen2"], scope="module")
+BUILDERS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3}
+
+
+@pytest.fixture(params=sorted(BUILDERS), scope="module")
 def hf_dir(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(request.param))
-    ref = (tiny_llama if request.param == "llama" else tiny_qwen2)(path)
+    ref = BUILDERS[request.param](path)
     model = hf.from_pretrained(path, attention="xla")
     return path, ref, model
 
