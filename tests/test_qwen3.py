@@ -5,14 +5,16 @@ steps: test_loss_parity.py.)"""
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxllmq import train_step
 from jaxllmq.bench import synthetic_batch
 from jaxllmq.model.architecture import ModelConfig, ModelConfigError, preset
-from jaxllmq.model.llama import abstract_model
+from jaxllmq.model.llama import Llama, abstract_model, params_of
 from jaxllmq.parallel.mesh import make_mesh
 from jaxllmq.plan import make_plan, plan_for
 from jaxllmq.settings import ModelSpec, OptimConfig
@@ -97,6 +99,25 @@ def test_q_k_norms_split_over_fsdp_and_stay_whole_for_tensor(level, params, grad
         assert tuple(s["layers"][name] for s in got) == (params, grads, opt)
         assert plan.layer_compute_specs[name] == P(None)  # each head shard uses all of it
     assert plan.layer_compute_specs["q_proj"] == P(None, "tensor")
+
+
+def test_q_k_norms_through_the_pallas_kernel_as_through_xla():
+    # Rows of head_dim (one per token and head): the kernel's other shape than the model's D.
+    tokens = jax.random.randint(jax.random.key(3), (2, 17), 0, TINY.vocab_size)
+    params = params_of(Llama(TINY, rngs=nnx.Rngs(0)))
+    for name in ("q_norm", "k_norm"):  # ones would hide a weight applied to the wrong rows
+        params["layers"][name] = 1 + 0.1 * jax.random.normal(jax.random.key(4), (2, 32))
+
+    def loss_and_grads(norm_impl):
+        graphdef, _, _ = abstract_model(TINY, attention="xla", norm_impl=norm_impl)
+        loss = lambda p: nnx.merge(graphdef, p).logits(tokens).std()
+        return jax.value_and_grad(loss)(params)
+
+    (l0, g0), (l1, g1) = loss_and_grads("xla"), loss_and_grads("pallas")
+    assert abs(float(l0) - float(l1)) <= 1e-6 * abs(float(l0))
+    for name in ("q_norm", "k_norm", "q_proj"):
+        a, b = g0["layers"][name], g1["layers"][name]
+        assert float(jnp.linalg.norm(a - b)) <= 1e-5 * float(jnp.linalg.norm(a)), name
 
 
 def _losses(gpus: int, zero_level: int = 1, tp: int = 1) -> np.ndarray:
