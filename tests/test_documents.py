@@ -20,6 +20,7 @@ from jaxllmq.data.pipeline import TokenBatches, documents
 from jaxllmq.data.shards import write_shard
 from jaxllmq.model.architecture import preset
 from jaxllmq.model.llama import Llama, params_of
+from jaxllmq.model.recompute import Recompute
 from jaxllmq.parallel.mesh import make_mesh
 from jaxllmq.plan import make_plan, plan_for
 from jaxllmq.setting import SettingError
@@ -66,8 +67,11 @@ def _batch(windows: np.ndarray) -> dict[str, np.ndarray]:
     )
 
 
-def _model(scan_layers: bool = True) -> tuple[nnx.GraphDef, dict]:
-    model = Llama(CFG, rngs=nnx.Rngs(0), scan_layers=scan_layers, attention="xla")
+def _model(scan_layers: bool = True, recompute: Recompute | None = None):
+    """(graphdef, params) of a Llama of CFG in fp32 with XLA's attention."""
+    model = Llama(
+        CFG, rngs=nnx.Rngs(0), scan_layers=scan_layers, attention="xla", recompute=recompute
+    )
     graphdef, _ = nnx.split(model)
     return graphdef, params_of(model)
 
@@ -116,9 +120,9 @@ def test_the_pipelines_documents():
     np.testing.assert_array_equal(trained, inputs != 3)
 
 
-@pytest.mark.parametrize("scan_layers", [True, False])
-def test_a_packed_window_computes_each_document_alone(scan_layers):
-    graphdef, params = _model(scan_layers)
+@pytest.mark.parametrize("scan_layers, recompute", [(True, None), (False, Recompute(block=True))])
+def test_a_packed_window_computes_each_document_alone(scan_layers, recompute):
+    graphdef, params = _model(scan_layers, recompute)
     batch = _batch(WINDOWS)
     assert len(np.unique(batch["segment_ids"][0])) == 4
     run = lambda forward: jax.jit(
