@@ -226,6 +226,8 @@ class DataConfig(Settings):
         return read_eos_id(os.path.dirname(self.train_files[0])) if self.train_files else None
 
     def check(self) -> None:
+        if self.eos_id is not None and not self.document_masking:
+            raise SettingError(f"--eos_id={self.eos_id} needs --document_masking (what it is for)")
         if self.document_masking and self.train_files and self.document_eos_id is None:
             raise SettingError(
                 "--document_masking needs the end-of-document id: pass --eos_id, or prepare the "

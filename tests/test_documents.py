@@ -226,6 +226,8 @@ def test_prepare_records_the_eos_id_and_the_run_finds_it(tmp_path):
     assert DataConfig(train_files=(shard,), document_masking=True).document_eos_id == eos
     assert DataConfig(train_files=(shard,), document_masking=True, eos_id=7).document_eos_id == 7
     assert DataConfig(train_files=(shard,)).document_eos_id is None  # no masking, no id
+    with pytest.raises(SettingError, match="^--eos_id=7 needs --document_masking"):
+        DataConfig(train_files=(shard,), eos_id=7)
     os.remove(out / EOS_FILE)
     with pytest.raises(SettingError, match="^--document_masking needs the end-of-document id"):
         DataConfig(train_files=(shard,), document_masking=True)
