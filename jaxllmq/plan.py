@@ -46,6 +46,7 @@ class Plan:
     quantize_per_device: bool
     lmhead_chunks: int
     attention: str  # "xla" or "cudnn"
+    document_masking: bool  # attention within each packed document (XLA's attention then)
     fuse_qkv_grads: bool  # q/k/v's input gradient as one GEMM
     gather_embed_below: int  # micro-batch tokens below which the embedding backward gathers
     offload: Offload  # which parts of the train state live in pinned host memory
@@ -64,6 +65,9 @@ class Plan:
         if self.mosaic_fallback:
             kernels += " (Mosaic's tiles do not fit the LM head)"
         qkv = "fused" if self.fuse_qkv_grads else "separate"
+        attention = self.attention
+        if self.document_masking:
+            attention += " (document masking: a per-document mask, XLA's attention only)"
 
         def split(specs: dict) -> str:
             entries = [e for s in jax.tree.leaves(specs, is_leaf=_is_spec) for e in s]
@@ -81,7 +85,7 @@ class Plan:
             [
                 f"plan: {devices} {self.device_kind or self.platform} device(s), {mesh}, "
                 f"ZeRO-{self.zero_level}",
-                f"kernels: {kernels}; attention {self.attention}; q/k/v input gradients {qkv}",
+                f"kernels: {kernels}; attention {attention}; q/k/v input gradients {qkv}",
                 f"params {split(self.param_specs)}, gradients {split(self.grad_specs)}, "
                 f"optimizer state {split(self.opt_specs)}; the embedding backward {embed}",
                 f"offload: {offload}",
@@ -145,10 +149,12 @@ def make_plan(
     device_kind: str = "",
     compute_capability: str = "",
     zero_level: int = 1,
+    document_masking: bool = False,
 ) -> Plan:
     """The plan for `model_cfg` and `spec` on a mesh of `mesh_shape` (data, fsdp, tensor) of
-    `platform` devices (`compute_capability` "9.x": Hopper GPUs) at `zero_level`. Refuses a tensor-parallel size that does not
-    divide the model, and a ZeRO level that does not exist."""
+    `platform` devices (`compute_capability` "9.x": Hopper GPUs) at `zero_level`, with packed
+    documents masked apart (`document_masking`) or not. Refuses a tensor-parallel size that
+    does not divide the model, and a ZeRO level that does not exist."""
     shape = {axis: int(mesh_shape[axis]) for axis in MESH_AXES}
     devices, tp = math.prod(shape.values()), shape[TENSOR]
     rules.check_tensor_parallel(
@@ -177,7 +183,11 @@ def make_plan(
     # A Pallas call has no partitioning rule: on several devices it runs per device's tokens.
     per_device = lambda impl: impl in ("pallas", "mosaic") and devices > 1
     attention = resolve_attention(
-        spec.attention, dtype, platform=platform, deterministic=spec.deterministic
+        spec.attention,
+        dtype,
+        platform=platform,
+        deterministic=spec.deterministic,
+        documents=document_masking,
     )
     mesh = AbstractMesh(tuple(shape.values()), MESH_AXES)
     _, abstract, axes = abstract_model(model_cfg, attention=attention)
@@ -195,6 +205,7 @@ def make_plan(
         quantize_per_device=per_device(run["fp8_quantize"]),
         lmhead_chunks=spec.lmhead_chunks,
         attention=attention,
+        document_masking=document_masking,
         # Not under tensor parallelism, which splits q, k and v by heads: the concatenation
         # would cross that split.
         fuse_qkv_grads=tp == 1 and can_fuse_qkv_grads(spec.linear_dtype),
@@ -218,6 +229,7 @@ def plan_for(
     mesh: Mesh,
     *,
     zero_level: int = 1,
+    document_masking: bool = False,
 ) -> Plan:
     """make_plan for `mesh`: its axis sizes, and its first device's platform, kind and compute
     capability."""
@@ -230,4 +242,5 @@ def plan_for(
         device_kind=device.device_kind,
         compute_capability=str(getattr(device, "compute_capability", "")),
         zero_level=zero_level,
+        document_masking=document_masking,
     )

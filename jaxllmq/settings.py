@@ -15,6 +15,7 @@ from jaxllmq.model.architecture import PRESETS, ModelConfig
 from jaxllmq.model.recompute import Recompute
 from jaxllmq.offload import Offload
 from jaxllmq.setting import DTYPE_SPELLINGS, Resume, SettingError, Settings, section, setting
+from jaxllmq.tokenizer_files import EOS_FILE, read_eos_id
 
 DTYPES = tuple(dtypes.DTYPES)
 # llmq's fp8 matmul dtype: activations in bfloat16, the block linears' GEMMs in fp8.
@@ -200,6 +201,39 @@ class DataConfig(Settings):
     grad_accumulation: int = setting(1, "Micro-batches per optimizer step.", lower=1)
     train_seed: int = setting(42, "Seed for init and the training data order.")
     eval_seed: int = setting(0, "Seed for the evaluation data order.")
+    document_masking: bool = setting(
+        False,
+        "Each token attends to its own document only (documents end with --eos_id), positions "
+        "restart at each document, and the token after an EOS is not trained on. Costs a "
+        "[batch, seq, seq] mask per window, XLA's attention (not cuDNN's), and fewer attention "
+        "blocks skipped on CPU/XLA.",
+    )
+    eos_id: int | None = setting(
+        None,
+        f"End-of-document token id for --document_masking (default: {EOS_FILE} that "
+        "`python -m jaxllmq.data.prepare` wrote beside the --train_file shards).",
+        lower=0,
+    )
+
+    @property
+    def document_eos_id(self) -> int | None:
+        """The end-of-document id with --document_masking (--eos_id, else the train shards'
+        directory's record), None without it."""
+        if not self.document_masking:
+            return None
+        if self.eos_id is not None:
+            return self.eos_id
+        return read_eos_id(os.path.dirname(self.train_files[0])) if self.train_files else None
+
+    def check(self) -> None:
+        if self.eos_id is not None and not self.document_masking:
+            raise SettingError(f"--eos_id={self.eos_id} needs --document_masking (what it is for)")
+        if self.document_masking and self.train_files and self.document_eos_id is None:
+            raise SettingError(
+                "--document_masking needs the end-of-document id: pass --eos_id, or prepare the "
+                f"data with `python -m jaxllmq.data.prepare` (it writes {EOS_FILE} beside the "
+                "shards)"
+            )
 
     def check_seq_len(self, model_cfg: ModelConfig, model: str) -> None:
         """Refuse a --seq_len beyond the model's max_position_embeddings unless allowed."""
@@ -415,5 +449,10 @@ class TrainConfig(Settings):
             raise SettingError("--train_file is required: token shards (BIN.TOK) to train on")
         if (self.steps is None) == (self.epochs is None):
             raise SettingError("give exactly one of --steps and --epochs")
+        if self.data.document_masking and self.model.attention == "cudnn":
+            raise SettingError(
+                "--document_masking with --attention=cudnn: the per-document mask runs in XLA's "
+                "attention only; use --attention=auto or xla"
+            )
         if self.sample_every_n_steps > 0 and not self.sample_prompts:
             raise SettingError("--sample_every_n_steps needs --sample_prompts (none given)")

@@ -1,5 +1,6 @@
 """The Hugging Face tokenizer files that travel with a model or a tokenized data set."""
 
+import json
 import os
 import shutil
 
@@ -28,3 +29,23 @@ def copy_tokenizer_files(src_dir: str, dst_dir: str, tokenizer_json: str | None 
             os.path.exists(target) and os.path.samefile(source, target)
         ):
             shutil.copyfile(source, target)
+
+
+# Beside the tokenizer files in a prepared data directory: {"eos_id": N}, the end-of-document id
+# every document of its shards ends with.
+EOS_FILE = "eos.json"
+
+
+def write_eos_id(data_dir: str, eos_id: int) -> None:
+    """Record the end-of-document id of the shards in `data_dir`."""
+    with open(os.path.join(data_dir, EOS_FILE), "w") as f:
+        json.dump({"eos_id": eos_id}, f)
+
+
+def read_eos_id(data_dir: str) -> int | None:
+    """The end-of-document id prepare recorded in `data_dir`, or None if it recorded none."""
+    path = os.path.join(data_dir, EOS_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return int(json.load(f)["eos_id"])

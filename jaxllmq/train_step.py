@@ -45,7 +45,9 @@ class TrainState:
     fp8: dict = flax.struct.field(default_factory=dict)
 
 
-Batch = dict[str, jax.Array]  # inputs, targets: int32 [acc, B, T]; loss_mask: bool [acc, B, T]
+# inputs, targets: int32 [acc, B, T]; loss_mask: bool [acc, B, T]; with --document_masking
+# also segment_ids, positions: int32 [acc, B, T].
+Batch = dict[str, jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +81,13 @@ def _micro_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Summed objective over one micro-batch's trained tokens, and the loss statistics."""
     model = nnx.merge(graphdef, params)
-    h_BxTxD = model(micro["inputs"], fp8_amax=fp8_amax)
+    # Packed documents (--document_masking) carry their positions and segment ids.
+    h_BxTxD = model(
+        micro["inputs"],
+        micro.get("positions"),
+        fp8_amax=fp8_amax,
+        segment_ids_BxT=micro.get("segment_ids"),
+    )
     B, T, D = h_BxTxD.shape
     return loss(
         h_BxTxD.reshape(B * T, D),

@@ -94,6 +94,7 @@ class Trainer:
             cfg.model,
             self.mesh,
             zero_level=m.zero_level,
+            document_masking=cfg.data.document_masking,
         )
         memory.check_training_fits(
             self.model_cfg,
@@ -112,6 +113,7 @@ class Trainer:
             batch_size=self.rows,
             grad_accumulation=d.grad_accumulation,
             seed=d.train_seed,
+            eos_id=d.document_eos_id,
         )
         eval_data = self._eval_batches()  # an eval set too small for one batch: refused now
         # Before any device work: samples without a tokenizer are refused at start.
@@ -234,6 +236,7 @@ class Trainer:
             shuffle=False,
             repeat=False,
             flag_name="--eval_file",
+            eos_id=d.document_eos_id,
         )
 
     def evaluate(self, max_batches: int | None) -> tuple[float, int] | None:

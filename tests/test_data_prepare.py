@@ -204,8 +204,8 @@ def test_quickstart_is_deterministic_and_fits_the_tiny_model(tmp_path):
     prepare_here(*flags, f"--out_dir={tmp_path / 'b'}", "--workers=1")  # same output either way
     assert "standard library files" in first.stdout and "EOS id 0" in first.stdout
     names = sorted(p.name for p in (tmp_path / "a").iterdir())
-    assert names[:3] == ["eval.bin", "tokenizer.json", "tokenizer_config.json"]
-    assert len(names) > 4  # several train shards
+    assert names[:4] == ["eos.json", "eval.bin", "tokenizer.json", "tokenizer_config.json"]
+    assert len(names) > 5  # several train shards
     for name in names:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     config = json.loads((tmp_path / "a" / "tokenizer_config.json").read_text())

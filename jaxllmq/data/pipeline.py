@@ -13,6 +13,11 @@ row r is epoch position step_in_epoch x A x B + m x B + r, and process p owns ro
 expects from process p when the batch axis is sharded over the mesh's data axes in process
 order. The element Grain reads is one whole step, gathered with one slice copy per row, so the
 per-element Python cost is paid once per row, not per token.
+
+With an end-of-document id (--document_masking) a window holds documents, each ending with that
+id: the batch also has segment_ids (a new id after each EOS in the inputs; a window that starts
+mid-document starts with a fragment) and positions (from 0 at each document's first token, the
+fragment's too), and the target after an EOS, the next document's first token, is not trained on.
 """
 
 from __future__ import annotations
@@ -33,8 +38,22 @@ from jaxllmq.data.validate import Note, check_shards, name_files
 
 # Bytes read from each end of a data file for the CRC-32 a saved data position records.
 _SAMPLE_BYTES = 1 << 20
-# A step is one Grain element: inputs, targets int32[A, B_local, T] and loss_mask bool[A, B_local, T].
+# A step is one Grain element: inputs, targets int32[A, B_local, T] and loss_mask bool[A, B_local, T]
+# (with documents also segment_ids, positions int32[A, B_local, T]).
 Batch = dict[str, np.ndarray]
+
+
+def documents(inputs_NxT: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(segment_ids, positions int32[N, T], trained bool[N, T]) of windows whose documents end
+    with `eos_id`: each token's document within its row, its position in that document, and
+    whether its target is in the same document (False where the input is the EOS)."""
+    eos = inputs_NxT == eos_id
+    starts = np.zeros_like(eos)
+    starts[:, 1:] = eos[:, :-1]  # a document starts after each EOS
+    segment_ids = np.cumsum(starts, axis=1, dtype=np.int32)
+    t = np.arange(inputs_NxT.shape[1], dtype=np.int32)
+    first = np.maximum.accumulate(np.where(starts, t, 0), axis=1)
+    return segment_ids, t - first, ~eos
 
 
 class _WindowReader:
@@ -100,8 +119,14 @@ class _Order:
 class _StepLoader:
     """Global step -> this process's rows of that step's batch (the function Grain maps)."""
 
-    def __init__(self, reader: _WindowReader, order: _Order, shape: tuple[int, int, int, int]):
-        self.reader, self.order = reader, order
+    def __init__(
+        self,
+        reader: _WindowReader,
+        order: _Order,
+        shape: tuple[int, int, int, int],
+        eos_id: int | None,
+    ):
+        self.reader, self.order, self.eos_id = reader, order, eos_id
         self.acc, self.batch_size, self.process_index, self.local_rows = shape
         self.steps_per_epoch = reader.num_windows // (self.acc * self.batch_size)
 
@@ -116,12 +141,14 @@ class _StepLoader:
         )
         ids = self.order.window_ids(epoch, positions_AxBl.ravel())
         inputs, targets, loss_mask = self.reader.read(ids)
+        batch = {"inputs": inputs, "targets": targets, "loss_mask": loss_mask}
+        if self.eos_id is not None:
+            segment_ids, positions, trained = documents(inputs, self.eos_id)
+            batch.update(
+                segment_ids=segment_ids, positions=positions, loss_mask=loss_mask & trained
+            )
         shape_AxBlxT = (self.acc, self.local_rows, self.reader.window - 1)
-        return {
-            "inputs": inputs.reshape(shape_AxBlxT),
-            "targets": targets.reshape(shape_AxBlxT),
-            "loss_mask": loss_mask.reshape(shape_AxBlxT),
-        }
+        return {k: v.reshape(shape_AxBlxT) for k, v in batch.items()}
 
 
 class TokenBatches:
@@ -137,6 +164,8 @@ class TokenBatches:
     starts its workers only once absl flags are parsed: by absl.app in a command, elsewhere
     `absl.flags.FLAGS.mark_as_parsed()`, which leaves Grain's flags at their defaults).
     `flag_name` is the flag that errors about the files name (--train_file, --eval_file).
+    `eos_id`: the end-of-document id; given, each step also has "segment_ids" and "positions"
+    (see `documents`).
     """
 
     def __init__(
@@ -155,6 +184,7 @@ class TokenBatches:
         num_threads: int = 1,
         num_workers: int = 0,
         flag_name: str = "--train_file",
+        eos_id: int | None = None,
     ):
         for name, value in [("seq_len", seq_len), ("batch_size", batch_size)]:
             if value < 1:
@@ -195,7 +225,8 @@ class TokenBatches:
                 f"{self.rows_per_step}); give more data or lower --batch_size / --seq_len"
             )
         shape = (grad_accumulation, batch_size, process_index, batch_size // process_count)
-        self._loader = _StepLoader(reader, _Order(self.num_windows, seed, shuffle), shape)
+        order = _Order(self.num_windows, seed, shuffle)
+        self._loader = _StepLoader(reader, order, shape, eos_id)
         self._step = 0  # global step of the next batch
         self._iter: grain.DatasetIterator | None = None
 

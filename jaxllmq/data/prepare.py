@@ -5,7 +5,7 @@
     python -m jaxllmq.data.prepare --quickstart --out_dir=data/quickstart
 
 Writes train-NNN.bin shards and eval.bin into --out_dir, plus a copy of the tokenizer files (the
-trainer copies them into exported models). Each document is tokenized and EOS is appended. A
+trainer copies them into exported models) and eos.json, the EOS id (--document_masking reads it). Each document is tokenized and EOS is appended. A
 {"prompt": ..., "response": ...} record becomes prompt + response + EOS, masked so that only the
 response and its EOS are trained on. Worker processes tokenize chunks of documents and the
 results are written in input order, so the output depends only on the inputs and the flags.
@@ -33,7 +33,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxllmq.data.shards import ShardWriter, expand_files
 from jaxllmq.setting import SettingError, Settings, setting
-from jaxllmq.tokenizer_files import copy_tokenizer_files
+from jaxllmq.tokenizer_files import copy_tokenizer_files, write_eos_id
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 QUICKSTART_EOS = "<|endoftext|>"
@@ -462,6 +462,7 @@ def run(args: PrepareConfig) -> dict:
         copy_tokenizer_files(config_dir, args.out_dir, tokenizer_json)
         fields = (args.text_field, args.prompt_field, args.response_field)
         docs = read_documents(paths, fields, args.txt_documents)
+    write_eos_id(args.out_dir, eos_id)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     progress = Progress()  # its clock times tokenizing alone: the throughput figure
     with Split(args.out_dir, vocab_size, args.tokens_per_shard, args.eval_fraction,

@@ -159,16 +159,27 @@ shared_input_matmuls.defvjp(_shared_input_matmuls_fwd, _shared_input_matmuls_bwd
 
 
 def resolve_attention(
-    attention: str, dtype, *, platform: str | None = None, deterministic: bool = False
+    attention: str,
+    dtype,
+    *,
+    platform: str | None = None,
+    deterministic: bool = False,
+    documents: bool = False,
 ) -> str:
     """'auto' -> cuDNN's fused attention on GPU (`platform`, default jax's backend) in bf16/fp16,
-    XLA's otherwise, and XLA's under XLA's deterministic ops (cuDNN's crashes under them)."""
+    XLA's otherwise, and XLA's under XLA's deterministic ops (cuDNN's crashes under them) or with
+    packed `documents` (their mask runs in XLA's attention only)."""
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
     if attention != "auto":
         return attention
     on_gpu = (platform or jax.default_backend()) in ("gpu", "cuda")
-    fused = on_gpu and not deterministic and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    fused = (
+        on_gpu
+        and not deterministic
+        and not documents
+        and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    )
     return "cudnn" if fused else "xla"
 
 
@@ -178,6 +189,11 @@ def can_fuse_qkv_grads(linear_dtype: str | None) -> bool:
     return linear_dtype is None
 
 
+def same_document(segment_ids_BxT: jax.Array) -> jax.Array:
+    """The attention mask [B, 1, T, T] of packed documents: query and key in one segment."""
+    return segment_ids_BxT[:, None, :, None] == segment_ids_BxT[:, None, None, :]
+
+
 def attend(
     q_BxTxNxH: jax.Array,
     k_BxTxKxH: jax.Array,
@@ -185,15 +201,24 @@ def attend(
     cache: KVCache | None,
     *,
     implementation: str,
+    documents_Bx1xTxT: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Causal GQA attention (K kv heads serve N/K query heads each; cuDNN's fused kernel on GPU),
     and the cache, if any, holding these tokens' keys and values too.
 
-    With one layer's cache the queries are at positions cache.length.., and each reads the
-    cached keys up to its own position."""
+    `documents_Bx1xTxT` (same_document; XLA's attention only): each query also reads only its
+    own document's keys. With one layer's cache the queries are at positions cache.length..,
+    and each reads the cached keys up to its own position."""
+    if documents_Bx1xTxT is not None and implementation != "xla":
+        raise ValueError(f"a per-document mask needs XLA's attention, not {implementation!r}")
     if cache is None:
         o_BxTxNxH = jax.nn.dot_product_attention(
-            q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True, implementation=implementation
+            q_BxTxNxH,
+            k_BxTxKxH,
+            v_BxTxKxH,
+            mask=documents_Bx1xTxT,
+            is_causal=True,
+            implementation=implementation,
         )
         return o_BxTxNxH, None
     T, S = q_BxTxNxH.shape[1], cache.k.shape[1]
@@ -219,6 +244,7 @@ def decoder_layer(
     fuse_residual_norm: bool = False,
     fuse_qkv_grads: bool = False,
     cache: KVCache | None = None,
+    documents_Bx1xTxT: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). Params cast to `dtype` here.
     Returns the block's output and `cache` (one layer's, for decoding) with these tokens added.
@@ -255,7 +281,14 @@ def decoder_layer(
     q_BxTxNxH = checkpoint_name(apply_rope(q.reshape(B, T, N, H), cos_BxTxH, sin_BxTxH), QKV)
     k_BxTxKxH = checkpoint_name(apply_rope(k.reshape(B, T, K, H), cos_BxTxH, sin_BxTxH), QKV)
     v_BxTxKxH = checkpoint_name(v.reshape(B, T, K, H), QKV)
-    o_BxTxNxH, cache = attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, cache, implementation=attention)
+    o_BxTxNxH, cache = attend(
+        q_BxTxNxH,
+        k_BxTxKxH,
+        v_BxTxKxH,
+        cache,
+        implementation=attention,
+        documents_Bx1xTxT=documents_Bx1xTxT,
+    )
     o_BxTxNxH = checkpoint_name(o_BxTxNxH, ATT)
     o_BxTxD = linear(o_BxTxNxH.reshape(B, T, N * H), w["o_proj"], "o_proj")
     if fuse_residual_norm:
@@ -349,12 +382,15 @@ class Llama(nnx.Module):
         tokens_BxT: jax.Array,
         positions_BxT: jax.Array | None = None,
         fp8_amax: dict | None = None,
+        segment_ids_BxT: jax.Array | None = None,
     ) -> jax.Array:
         """Final-normed hidden states [B, T, D] in the compute dtype.
 
         fp8_amax: with fp8 block linears, delayed scaling's reference amaxes (fp8_delayed's
-        [L] tree; their gradient is this step's amaxes); None: current scaling."""
-        return self._forward(tokens_BxT, positions_BxT, fp8_amax, None)[0]
+        [L] tree; their gradient is this step's amaxes); None: current scaling.
+        segment_ids_BxT: packed documents (data/pipeline.py's), each attending to itself only;
+        their positions restart with each document (`positions_BxT`)."""
+        return self._forward(tokens_BxT, positions_BxT, fp8_amax, None, segment_ids_BxT)[0]
 
     def _forward(
         self,
@@ -362,6 +398,7 @@ class Llama(nnx.Module):
         positions_BxT: jax.Array | None,
         fp8_amax: dict | None,
         cache: KVCache | None,
+        segment_ids_BxT: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """__call__'s hidden states, and the cache, if any, with these tokens added."""
         cfg = self.cfg
@@ -374,6 +411,7 @@ class Llama(nnx.Module):
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         cos, sin = rope_cos_sin(cfg, positions_BxT)
+        documents = None if segment_ids_BxT is None else same_document(segment_ids_BxT)
         x_BxTxD = self.constrain(self.embed(tokens_BxT))
 
         def layer(x, p, amax, cache):
@@ -396,6 +434,7 @@ class Llama(nnx.Module):
                 fuse_residual_norm=self.recompute.saves_all(),
                 fuse_qkv_grads=self.fuse_qkv_grads,
                 cache=cache,
+                documents_Bx1xTxT=documents,
             )
             return self.constrain(x), cache
 
@@ -441,9 +480,14 @@ class Llama(nnx.Module):
         tokens_BxT = self.replicate(tokens_BxT)
         return self.replicate(jnp.take(table_VxD, tokens_BxT, axis=0).astype(self.dtype))
 
-    def logits(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None) -> jax.Array:
+    def logits(
+        self,
+        tokens_BxT: jax.Array,
+        positions_BxT: jax.Array | None = None,
+        segment_ids_BxT: jax.Array | None = None,
+    ) -> jax.Array:
         """Logits [B, T, V] in fp32 (for evaluation and parity tests; training fuses)."""
-        return self._head(self(tokens_BxT, positions_BxT))
+        return self._head(self(tokens_BxT, positions_BxT, segment_ids_BxT=segment_ids_BxT))
 
     def cached_logits(self, tokens_BxT: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Logits [B, T, V] in fp32 of tokens that continue the cache's (at positions
