@@ -16,7 +16,7 @@ OUTSIDE_REFERENCES = re.compile(
             r"design\.md",  # a design note that is not in the repository
             r"\.\./shared\b",  # a folder beside the checkout
             r"\.library/",  # the build machines' own documentation
-            r"\bissues?[ -]#?\d",  # "issue 8", "issues 6 and 9", "issue-8", "issue #3"
+            r"\bissues?[ -]#?\d",  # an issue number: spaced, hyphenated or with "#"
             r"\bissue's\b|\bthe issue\b|\"[\w ]+\" issue\b",  # an issue named by its title
             r"\b(?:PR|pull request|fixes|closes|see)\s+#\d",
             r"\(#\d+\)",

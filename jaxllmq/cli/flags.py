@@ -16,7 +16,7 @@ from typing import Any
 
 from absl import flags, logging
 
-from jaxllmq.setting import Entry, Meta, SettingError, canonical, entries
+from jaxllmq.setting import Entry, Meta, canonical, entries
 
 FLAGS = flags.FLAGS
 
@@ -170,5 +170,5 @@ def build_or_exit(cls: type, **given: Any) -> Any:
     """`build`, with a bad setting reported in one line and exit 1."""
     try:
         return build(cls, **given)
-    except (SettingError, ValueError) as e:
+    except ValueError as e:  # SettingError, ShardError (--train_file globs) and the like
         sys.exit(f"error: {e}")
