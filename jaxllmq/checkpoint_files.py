@@ -128,6 +128,24 @@ class _QuietOrbax(logging.Filter):
 logging.getLogger("absl").addFilter(_QuietOrbax())
 
 
+class _QuietOrbaxTasks(logging.Filter):
+    """Drop asyncio's "Task exception was never retrieved" reports (through the root logger, with
+    a traceback) for orbax's abandoned reads and writes: the failure itself is reported once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.exc_info or record.exc_info[2] is None:
+            return True
+        tb = record.exc_info[2]
+        while tb is not None:
+            if _ORBAX in tb.tb_frame.f_code.co_filename:
+                return False
+            tb = tb.tb_next
+        return True
+
+
+logging.getLogger("asyncio").addFilter(_QuietOrbaxTasks())
+
+
 def _quiet_unraisable(report: Any, _default=sys.unraisablehook, _orbax=_ORBAX) -> None:
     """Drop what orbax's asyncio use leaves behind when a read or write fails (the failure itself
     is reported): tensorstore's callbacks into orbax's closed event loop ("Event loop is closed",

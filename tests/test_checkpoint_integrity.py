@@ -179,3 +179,35 @@ def test_a_diverged_run_names_a_verified_checkpoint(shards, cache, tmp_path):
     assert line.endswith(
         f"The newest checkpoint that verifies is {out}/ckpt/2: resume with --continue=2."
     )
+
+
+def test_an_abandoned_orbax_task_logs_no_traceback(tmp_path):
+    # A read orbax abandons when another fails is freed with its exception unretrieved, and
+    # asyncio reports it (with a traceback) through the root logger, not absl's: whether it does
+    # depends on when the task is collected, so the run's output differed run to run.
+    code = textwrap.dedent(
+        """
+        import asyncio, gc, logging, sys
+        from jaxllmq import checkpoint_files
+        logging.basicConfig(stream=sys.stderr)
+        where = sys.argv[1]
+        scope = {}
+        exec(compile("async def read():\\n    raise OSError('truncated')\\n", where, "exec"), scope)
+
+        async def main():
+            asyncio.get_running_loop().create_task(scope["read"]())
+            await asyncio.sleep(0.01)
+
+        asyncio.run(main())
+        gc.collect()
+        print("done")
+        """
+    )
+    for where, noisy in (
+        (f"{os.sep}x{os.sep}orbax{os.sep}serialization.py", False),
+        (str(tmp_path / "mine.py"), True),
+    ):
+        proc = subprocess.run([sys.executable, "-c", code, where], capture_output=True, text=True)
+        assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-2000:]
+        assert ("Task exception was never retrieved" in proc.stderr) is noisy, proc.stderr
+        assert ("Traceback" in proc.stderr) is noisy
