@@ -46,7 +46,9 @@ class Plan:
     quantize_per_device: bool
     lmhead_chunks: int
     attention: str  # "xla" or "cudnn"
-    document_masking: bool  # attention within each packed document (XLA's attention then)
+    # Attention within each packed document, at most this many a window (None: windows are one
+    # causal sequence each); cuDNN's attention takes them as segments, XLA's as a mask.
+    documents_per_window: int | None
     fuse_qkv_grads: bool  # q/k/v's input gradient as one GEMM
     gather_embed_below: int  # micro-batch tokens below which the embedding backward gathers
     offload: Offload  # which parts of the train state live in pinned host memory
@@ -66,8 +68,10 @@ class Plan:
             kernels += " (Mosaic's tiles do not fit the LM head)"
         qkv = "fused" if self.fuse_qkv_grads else "separate"
         attention = self.attention
-        if self.document_masking:
-            attention += " (document masking: a per-document mask, XLA's attention only)"
+        if self.documents_per_window and self.attention == "cudnn":
+            attention += f" (documents as segments, up to {self.documents_per_window} a window)"
+        elif self.documents_per_window:
+            attention += f" (documents by a mask, up to {self.documents_per_window} a window)"
 
         def split(specs: dict) -> str:
             entries = [e for s in jax.tree.leaves(specs, is_leaf=_is_spec) for e in s]
@@ -149,11 +153,11 @@ def make_plan(
     device_kind: str = "",
     compute_capability: str = "",
     zero_level: int = 1,
-    document_masking: bool = False,
+    documents_per_window: int | None = None,
 ) -> Plan:
     """The plan for `model_cfg` and `spec` on a mesh of `mesh_shape` (data, fsdp, tensor) of
     `platform` devices (`compute_capability` "9.x": Hopper GPUs) at `zero_level`, with packed
-    documents masked apart (`document_masking`) or not. Refuses a tensor-parallel size that
+    documents kept apart (up to `documents_per_window` a window) or not. Refuses a tensor-parallel size that
     does not divide the model, and a ZeRO level that does not exist."""
     shape = {axis: int(mesh_shape[axis]) for axis in MESH_AXES}
     devices, tp = math.prod(shape.values()), shape[TENSOR]
@@ -187,7 +191,6 @@ def make_plan(
         dtype,
         platform=platform,
         deterministic=spec.deterministic,
-        documents=document_masking,
     )
     mesh = AbstractMesh(tuple(shape.values()), MESH_AXES)
     _, abstract, axes = abstract_model(model_cfg, attention=attention)
@@ -205,7 +208,7 @@ def make_plan(
         quantize_per_device=per_device(run["fp8_quantize"]),
         lmhead_chunks=spec.lmhead_chunks,
         attention=attention,
-        document_masking=document_masking,
+        documents_per_window=documents_per_window,
         # Not under tensor parallelism, which splits q, k and v by heads: the concatenation
         # would cross that split.
         fuse_qkv_grads=tp == 1 and can_fuse_qkv_grads(spec.linear_dtype),
@@ -229,7 +232,7 @@ def plan_for(
     mesh: Mesh,
     *,
     zero_level: int = 1,
-    document_masking: bool = False,
+    documents_per_window: int | None = None,
 ) -> Plan:
     """make_plan for `mesh`: its axis sizes, and its first device's platform, kind and compute
     capability."""
@@ -242,5 +245,5 @@ def plan_for(
         device_kind=device.device_kind,
         compute_capability=str(getattr(device, "compute_capability", "")),
         zero_level=zero_level,
-        document_masking=document_masking,
+        documents_per_window=documents_per_window,
     )

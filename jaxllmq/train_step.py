@@ -291,6 +291,7 @@ def build(
         gradient_dtype=spec.gradient_dtype,
         fp8_quantizer=quantizer,
         fuse_qkv_grads=plan.fuse_qkv_grads,
+        documents_per_window=plan.documents_per_window,
     )
     _, abstract, axes = abstract_model(model_cfg, **model_kwargs)
     layer_compute = on_mesh(plan.layer_compute_specs)

@@ -94,7 +94,7 @@ class Trainer:
             cfg.model,
             self.mesh,
             zero_level=m.zero_level,
-            document_masking=cfg.data.document_masking,
+            documents_per_window=cfg.data.documents_per_window,
         )
         memory.check_training_fits(
             self.model_cfg,
@@ -114,6 +114,7 @@ class Trainer:
             grad_accumulation=d.grad_accumulation,
             seed=d.train_seed,
             eos_id=d.document_eos_id,
+            documents_per_window=d.documents_per_window,
         )
         eval_data = self._eval_batches()  # an eval set too small for one batch: refused now
         # Before any device work: samples without a tokenizer are refused at start.
@@ -237,6 +238,7 @@ class Trainer:
             repeat=False,
             flag_name="--eval_file",
             eos_id=d.document_eos_id,
+            documents_per_window=d.documents_per_window,
         )
 
     def evaluate(self, max_batches: int | None) -> tuple[float, int] | None:

@@ -19,12 +19,13 @@ from jaxllmq.cli.prepare import main
 from jaxllmq.data.pipeline import TokenBatches, documents
 from jaxllmq.data.shards import write_shard
 from jaxllmq.model.architecture import preset
+from jaxllmq.model.attention import document_spans
 from jaxllmq.model.llama import Llama, params_of
 from jaxllmq.model.recompute import Recompute
 from jaxllmq.parallel.mesh import make_mesh
 from jaxllmq.plan import make_plan, plan_for
 from jaxllmq.setting import SettingError
-from jaxllmq.settings import DataConfig, ModelSpec, OptimConfig, TrainConfig
+from jaxllmq.settings import DataConfig, ModelSpec, OptimConfig
 from jaxllmq.tokenizer_files import EOS_FILE, write_eos_id
 
 CFG = dataclasses.replace(
@@ -57,7 +58,7 @@ WINDOWS = np.stack([_window([4, 7, 1, 20], 0), _window([40], 1)])
 def _batch(windows: np.ndarray) -> dict[str, np.ndarray]:
     """What the pipeline gives for these windows (inputs, targets, masks, segments, positions)."""
     inputs, targets = windows[:, :-1], windows[:, 1:]
-    segment_ids, positions, trained = documents(inputs, EOS)
+    segment_ids, positions, trained = documents(inputs, EOS, per_window=16)
     return dict(
         inputs=inputs,
         targets=targets,
@@ -112,12 +113,20 @@ def _close(a, b):
         assert np.max(np.abs(np.asarray(x) - np.asarray(y))) < 1e-5
 
 
-def test_the_pipelines_documents():
+def test_the_pipelines_documents(capsys):
     inputs = np.array([[5, 3, 6, 7, 3, 3, 8], [9, 9, 9, 9, 9, 9, 9]], np.int32)
-    segment_ids, positions, trained = documents(inputs, 3)
+    segment_ids, positions, trained = documents(inputs, 3, per_window=4)
     np.testing.assert_array_equal(segment_ids, [[0, 0, 1, 1, 1, 2, 3], [0] * 7])
     np.testing.assert_array_equal(positions, [[0, 1, 0, 1, 2, 0, 0], list(range(7))])
     np.testing.assert_array_equal(trained, inputs != 3)
+    assert capsys.readouterr().err == ""
+    # Two documents a window: the third and fourth join the second, untrained.
+    segment_ids, positions, trained = documents(inputs, 3, per_window=2)
+    np.testing.assert_array_equal(segment_ids, [[0, 0, 1, 1, 1, 1, 1], [0] * 7])
+    np.testing.assert_array_equal(positions, [[0, 1, 0, 1, 2, 0, 0], list(range(7))])
+    np.testing.assert_array_equal(trained, [[1, 0, 1, 1, 0, 0, 0], [1] * 7])
+    err = capsys.readouterr().err
+    assert "a window holds 4 documents, more than --max_documents_per_window=2" in err
 
 
 @pytest.mark.parametrize("scan_layers, recompute", [(True, None), (False, Recompute(block=True))])
@@ -140,8 +149,8 @@ def test_the_sharded_steps_compute_each_document_alone(zero_level, tp):
     """On 8 devices (ZeRO-3; tensor parallelism 2 x 4 data): the loss and gradients of packed
     windows, and the train step (2 micro-batches) and eval step over them."""
     mesh = make_mesh(8, tensor_parallel=tp)
-    plan = plan_for(CFG, SPEC, mesh, zero_level=zero_level, document_masking=True)
-    assert plan.document_masking and plan.attention == "xla"
+    plan = plan_for(CFG, SPEC, mesh, zero_level=zero_level, documents_per_window=16)
+    assert plan.documents_per_window == 16 and plan.attention == "xla"
     optim = OptimConfig(grad_clip=0.0)
     built = train_step.build(CFG, SPEC, optim, plan, mesh=mesh, total_steps=2, seed=0)
     micro = _batch(np.concatenate([WINDOWS] * 4))  # 8 rows
@@ -174,14 +183,25 @@ def test_the_sharded_steps_compute_each_document_alone(zero_level, tp):
     np.testing.assert_allclose(metrics["norm"], norm, rtol=1e-5)
 
 
-def test_the_plan_picks_xla_attention_for_documents():
+def test_the_plan_takes_documents_as_cudnn_segments_on_gpu_and_a_mask_elsewhere():
     spec = ModelSpec(model="tiny", from_scratch=True, matmul_dtype="bfloat16")
     h200 = dict(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0")
     mesh = {"data": 1, "fsdp": 1, "tensor": 1}
-    assert make_plan(CFG, spec, mesh_shape=mesh, **h200).attention == "cudnn"
-    plan = make_plan(CFG, spec, mesh_shape=mesh, **h200, document_masking=True)
-    assert plan.attention == "xla" and plan.to_record()["document_masking"]
-    assert "attention xla (document masking" in plan.describe()
+    plan = make_plan(CFG, spec, mesh_shape=mesh, **h200, documents_per_window=32)
+    assert plan.attention == "cudnn" and plan.to_record()["documents_per_window"] == 32
+    assert "attention cudnn (documents as segments, up to 32 a window)" in plan.describe()
+    plan = make_plan(CFG, spec, mesh_shape=mesh, platform="cpu", documents_per_window=16)
+    assert "attention xla (documents by a mask, up to 16 a window)" in plan.describe()
+    assert make_plan(CFG, spec, mesh_shape=mesh, platform="cpu").documents_per_window is None
+
+
+def test_cudnn_spans_of_a_window():
+    segment_ids = jnp.array([[0, 0, 0, 1, 1, 2, 2, 2], [0] * 8, list(range(8))])
+    offsets, lengths = document_spans(segment_ids, 4)
+    np.testing.assert_array_equal(
+        offsets, [[0, 3, 5, -1, -1], [0, -1, -1, -1, -1], [0, 1, 2, 3, -1]]
+    )
+    np.testing.assert_array_equal(lengths, [[3, 2, 3, -1], [8, -1, -1, -1], [1, 1, 1, 5]])
 
 
 def test_the_pipeline_gives_documents_from_a_shard(tmp_path):
@@ -234,12 +254,15 @@ def test_prepare_records_the_eos_id_and_the_run_finds_it(tmp_path):
     assert DataConfig(train_files=(shard,), document_masking=True, eos_id=eos).eos_id == eos
 
 
-def test_cudnn_attention_with_documents_is_refused(tmp_path):
-    write_shard(tmp_path / "train.bin", np.arange(64) % 16, vocab_size=16)
-    data = DataConfig(train_files=(str(tmp_path / "train.bin"),), document_masking=True, eos_id=3)
-    spec = ModelSpec(model="tiny", from_scratch=True, attention="cudnn")
-    with pytest.raises(SettingError, match="--document_masking with --attention=cudnn"):
-        TrainConfig(model=spec, data=data, steps=1)
+def test_documents_per_window(tmp_path):
+    files = (str(tmp_path / "train.bin"),)
+    data = lambda **kw: DataConfig(train_files=files, eos_id=3, document_masking=True, **kw)
+    assert data(seq_len=8192).documents_per_window == 128
+    assert data(seq_len=256).documents_per_window == 16
+    assert data(max_documents_per_window=5).documents_per_window == 5
+    assert DataConfig(train_files=files).documents_per_window is None
+    with pytest.raises(SettingError, match="^--max_documents_per_window=5 needs --document_mask"):
+        DataConfig(train_files=files, max_documents_per_window=5)
 
 
 def test_a_tiny_model_trains_on_documents_through_the_cli(tmp_path):
@@ -278,7 +301,7 @@ def test_a_tiny_model_trains_on_documents_through_the_cli(tmp_path):
     with open(tmp_path / "log.jsonl") as f:
         records = [json.loads(line) for line in f]
     plan = next(r for r in records if r["log"] == "info" and "plan" in r)["plan"]
-    assert plan["document_masking"] and plan["attention"] == "xla"
+    assert plan["documents_per_window"] == 16 and plan["attention"] == "xla"
     steps = [r for r in records if r["log"] == "step"]
     assert len(steps) == 4 and all(np.isfinite(r["loss"]) for r in steps)
     # The token after each EOS is not trained on: fewer tokens than the windows hold.

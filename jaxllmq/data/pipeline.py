@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 import zlib
 from collections.abc import Sequence
 
@@ -35,6 +36,7 @@ from grain.experimental import index_shuffle
 
 from jaxllmq.data.shards import Shard, ShardError, check_vocab_size, expand_files, open_shard
 from jaxllmq.data.validate import Note, check_shards, name_files
+from jaxllmq.model.attention import default_documents_per_window
 
 # Bytes read from each end of a data file for the CRC-32 a saved data position records.
 _SAMPLE_BYTES = 1 << 20
@@ -43,17 +45,36 @@ _SAMPLE_BYTES = 1 << 20
 Batch = dict[str, np.ndarray]
 
 
-def documents(inputs_NxT: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def documents(
+    inputs_NxT: np.ndarray, eos_id: int, per_window: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(segment_ids, positions int32[N, T], trained bool[N, T]) of windows whose documents end
     with `eos_id`: each token's document within its row, its position in that document, and
-    whether its target is in the same document (False where the input is the EOS)."""
+    whether its target is in the same document (False where the input is the EOS).
+
+    A row holds at most `per_window` documents (attention's segments): the documents past the
+    last are joined to it (its segment id) and not trained on, so what is trained is the same as
+    if each were alone; a warning says so once."""
     eos = inputs_NxT == eos_id
     starts = np.zeros_like(eos)
     starts[:, 1:] = eos[:, :-1]  # a document starts after each EOS
     segment_ids = np.cumsum(starts, axis=1, dtype=np.int32)
     t = np.arange(inputs_NxT.shape[1], dtype=np.int32)
     first = np.maximum.accumulate(np.where(starts, t, 0), axis=1)
-    return segment_ids, t - first, ~eos
+    joined = segment_ids >= per_window
+    if joined.any() and not _joined_warned.is_set():
+        _joined_warned.set()
+        print(
+            f"warning: a window holds {int(segment_ids.max()) + 1} documents, more than "
+            f"--max_documents_per_window={per_window}: the tokens of the documents past the "
+            f"{per_window}-th are not trained on (raise the flag to train them)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return np.minimum(segment_ids, per_window - 1), t - first, ~eos & ~joined
+
+
+_joined_warned = threading.Event()
 
 
 class _WindowReader:
@@ -125,8 +146,10 @@ class _StepLoader:
         order: _Order,
         shape: tuple[int, int, int, int],
         eos_id: int | None,
+        documents_per_window: int | None,
     ):
         self.reader, self.order, self.eos_id = reader, order, eos_id
+        self.documents_per_window = documents_per_window
         self.acc, self.batch_size, self.process_index, self.local_rows = shape
         self.steps_per_epoch = reader.num_windows // (self.acc * self.batch_size)
 
@@ -143,7 +166,9 @@ class _StepLoader:
         inputs, targets, loss_mask = self.reader.read(ids)
         batch = {"inputs": inputs, "targets": targets, "loss_mask": loss_mask}
         if self.eos_id is not None:
-            segment_ids, positions, trained = documents(inputs, self.eos_id)
+            segment_ids, positions, trained = documents(
+                inputs, self.eos_id, self.documents_per_window
+            )
             batch.update(
                 segment_ids=segment_ids, positions=positions, loss_mask=loss_mask & trained
             )
@@ -165,7 +190,7 @@ class TokenBatches:
     `absl.flags.FLAGS.mark_as_parsed()`, which leaves Grain's flags at their defaults).
     `flag_name` is the flag that errors about the files name (--train_file, --eval_file).
     `eos_id`: the end-of-document id; given, each step also has "segment_ids" and "positions"
-    (see `documents`).
+    (see `documents`, which keeps `documents_per_window` documents a window apart).
     """
 
     def __init__(
@@ -185,6 +210,7 @@ class TokenBatches:
         num_workers: int = 0,
         flag_name: str = "--train_file",
         eos_id: int | None = None,
+        documents_per_window: int | None = None,
     ):
         for name, value in [("seq_len", seq_len), ("batch_size", batch_size)]:
             if value < 1:
@@ -226,7 +252,9 @@ class TokenBatches:
             )
         shape = (grad_accumulation, batch_size, process_index, batch_size // process_count)
         order = _Order(self.num_windows, seed, shuffle)
-        self._loader = _StepLoader(reader, order, shape, eos_id)
+        if eos_id is not None and documents_per_window is None:
+            documents_per_window = default_documents_per_window(seq_len)
+        self._loader = _StepLoader(reader, order, shape, eos_id, documents_per_window)
         self._step = 0  # global step of the next batch
         self._iter: grain.DatasetIterator | None = None
 

@@ -22,6 +22,12 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxllmq.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_tee
 from jaxllmq.model import fp8, fp8_delayed
 from jaxllmq.model.architecture import ModelConfig, rope_inv_freq
+from jaxllmq.model.attention import (
+    Documents,
+    attend_documents,
+    default_documents_per_window,
+    documents_for,
+)
 from jaxllmq.model.recompute import ATT, FFN, NORM, QKV, RESID, SWIGLU, Recompute
 
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
@@ -164,22 +170,16 @@ def resolve_attention(
     *,
     platform: str | None = None,
     deterministic: bool = False,
-    documents: bool = False,
 ) -> str:
-    """'auto' -> cuDNN's fused attention on GPU (`platform`, default jax's backend) in bf16/fp16,
-    XLA's otherwise, and XLA's under XLA's deterministic ops (cuDNN's crashes under them) or with
-    packed `documents` (their mask runs in XLA's attention only)."""
+    """'auto' -> cuDNN's fused attention on GPU (`platform`, default jax's backend) in bf16/fp16
+    (packed documents too, as its segments), XLA's otherwise, and XLA's under XLA's
+    deterministic ops (cuDNN's crashes under them)."""
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
     if attention != "auto":
         return attention
     on_gpu = (platform or jax.default_backend()) in ("gpu", "cuda")
-    fused = (
-        on_gpu
-        and not deterministic
-        and not documents
-        and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-    )
+    fused = on_gpu and not deterministic and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
     return "cudnn" if fused else "xla"
 
 
@@ -189,11 +189,6 @@ def can_fuse_qkv_grads(linear_dtype: str | None) -> bool:
     return linear_dtype is None
 
 
-def same_document(segment_ids_BxT: jax.Array) -> jax.Array:
-    """The attention mask [B, 1, T, T] of packed documents: query and key in one segment."""
-    return segment_ids_BxT[:, None, :, None] == segment_ids_BxT[:, None, None, :]
-
-
 def attend(
     q_BxTxNxH: jax.Array,
     k_BxTxKxH: jax.Array,
@@ -201,24 +196,19 @@ def attend(
     cache: KVCache | None,
     *,
     implementation: str,
-    documents_Bx1xTxT: jax.Array | None = None,
+    documents: Documents | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Causal GQA attention (K kv heads serve N/K query heads each; cuDNN's fused kernel on GPU),
     and the cache, if any, holding these tokens' keys and values too.
 
-    `documents_Bx1xTxT` (same_document; XLA's attention only): each query also reads only its
-    own document's keys. With one layer's cache the queries are at positions cache.length..,
-    and each reads the cached keys up to its own position."""
-    if documents_Bx1xTxT is not None and implementation != "xla":
-        raise ValueError(f"a per-document mask needs XLA's attention, not {implementation!r}")
+    `documents` (attention.documents_for `implementation`): each query also reads only its own
+    document's keys. With one layer's cache the queries are at positions cache.length.., and
+    each reads the cached keys up to its own position."""
+    if documents is not None:
+        return attend_documents(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, documents), cache
     if cache is None:
         o_BxTxNxH = jax.nn.dot_product_attention(
-            q_BxTxNxH,
-            k_BxTxKxH,
-            v_BxTxKxH,
-            mask=documents_Bx1xTxT,
-            is_causal=True,
-            implementation=implementation,
+            q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True, implementation=implementation
         )
         return o_BxTxNxH, None
     T, S = q_BxTxNxH.shape[1], cache.k.shape[1]
@@ -244,7 +234,7 @@ def decoder_layer(
     fuse_residual_norm: bool = False,
     fuse_qkv_grads: bool = False,
     cache: KVCache | None = None,
-    documents_Bx1xTxT: jax.Array | None = None,
+    documents: Documents | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). Params cast to `dtype` here.
     Returns the block's output and `cache` (one layer's, for decoding) with these tokens added.
@@ -287,7 +277,7 @@ def decoder_layer(
         v_BxTxKxH,
         cache,
         implementation=attention,
-        documents_Bx1xTxT=documents_Bx1xTxT,
+        documents=documents,
     )
     o_BxTxNxH = checkpoint_name(o_BxTxNxH, ATT)
     o_BxTxD = linear(o_BxTxNxH.reshape(B, T, N * H), w["o_proj"], "o_proj")
@@ -332,6 +322,7 @@ class Llama(nnx.Module):
         gradient_dtype: str | None = None,
         fp8_quantizer: fp8.Quantizer | None = None,
         fuse_qkv_grads: bool = False,
+        documents_per_window: int | None = None,
     ):
         self.cfg = cfg
         self.dtype = dtype
@@ -346,6 +337,8 @@ class Llama(nnx.Module):
         fp8.linear_fn(linear_dtype, gradient_dtype)  # unknown names fail here, not in a trace
         self.scan_layers = scan_layers
         self.attention = resolve_attention(attention, dtype)
+        # Packed documents kept apart in a window (attention.documents_for), if segment ids come.
+        self.documents_per_window = documents_per_window
         self.norm_impl = norm_impl  # RMSNorm: "xla" or "pallas" (kernels.resolve_impl)
         self.recompute = recompute or Recompute()
         # Sharding hooks (parallel/): `constrain` pins the activations' sharding at block
@@ -411,7 +404,10 @@ class Llama(nnx.Module):
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         cos, sin = rope_cos_sin(cfg, positions_BxT)
-        documents = None if segment_ids_BxT is None else same_document(segment_ids_BxT)
+        documents = None
+        if segment_ids_BxT is not None:
+            per_window = self.documents_per_window or default_documents_per_window(T)
+            documents = documents_for(self.attention, segment_ids_BxT, per_window)
         x_BxTxD = self.constrain(self.embed(tokens_BxT))
 
         def layer(x, p, amax, cache):
@@ -434,7 +430,7 @@ class Llama(nnx.Module):
                 fuse_residual_norm=self.recompute.saves_all(),
                 fuse_qkv_grads=self.fuse_qkv_grads,
                 cache=cache,
-                documents_Bx1xTxT=documents,
+                documents=documents,
             )
             return self.constrain(x), cache
 
