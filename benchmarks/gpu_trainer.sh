@@ -1,19 +1,14 @@
 #!/usr/bin/env bash
-# On the GPU machine: cuDNN-vs-XLA attention check, the 1B step benchmark (scan and unrolled), and
-# the llama-3.2-1b-pretrain flagfile for 300 steps on the quickstart corpus. Logs go to $OUT.
-# Usage: bash benchmarks/gpu_trainer.sh [attention] [bench] [kernels] [checkpoint] [speed] [profile] [8b] [pretrain]
-# (default: attention bench pretrain)
+# On the GPU machine: the 1B step benchmark (scan and unrolled), and the llama-3.2-1b-pretrain
+# flagfile for 300 steps on the quickstart corpus. Logs go to $OUT.
+# Usage: bash benchmarks/gpu_trainer.sh [bench] [kernels] [checkpoint] [speed] [profile] [8b] [pretrain]
+# (default: bench pretrain)
 source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import jax, flax, optax, orbax.checkpoint as o; print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__, jax.devices())'
 
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
-SECTIONS="${*:-attention bench pretrain}"
-
-if want attention; then
-echo "== attention check"
-python3 benchmarks/attention_check.py 2>&1 | tee "$OUT/attention.txt"
-fi
+SECTIONS="${*:-bench pretrain}"
 
 if want bench; then
 echo "== bench 1B, B=8 T=2048 (scan, then unrolled)"

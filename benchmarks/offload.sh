@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
 # On the GPU machine: host offload of master weights, Adam moments and residuals.
-#   check  each switch trains the tiny preset to the no-offload losses (benchmarks/offload_check.py)
 #   1b     cost of each switch on the 1B, B=8 T=2048: tokens/s and peak memory
 #   8b     the 8B preset at T=4096, fp32 master + AdamW moments, every offload on (also with 8
 #          micro-batches per step); then without offload (expected not to fit: its error is
@@ -8,11 +7,11 @@
 #   8b-switches  the 8B at T=4096 with bf16 weights and moments (fits without offload): the cost
 #          of each switch against none
 #   14b    qwen2.5-14b on every GPU of the machine (two H200s), ZeRO-3, every offload on
-# Usage: bash benchmarks/offload.sh [check] [1b] [8b] [8b-switches] [14b]   (default: check 1b 8b);
+# Usage: bash benchmarks/offload.sh [1b] [8b] [8b-switches] [14b]   (default: 1b 8b);
 # results in $OUT. Each section runs in under 10 minutes.
 source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-SECTIONS="${*:-check 1b 8b}"
+SECTIONS="${*:-1b 8b}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 ALL="--offload_master --offload_opt_m --offload_opt_v --offload_residual"
 
@@ -25,11 +24,6 @@ bench() {
   [[ $line == "{"* ]] || line="{\"error\": $(tail -1 "$OUT/err-$label.txt" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read().strip()[:200]))')}"
   printf '%s\t%s\n' "$label" "$line" | tee -a "$OUT/offload.tsv"
 }
-
-if want check; then
-  echo "== each switch, tiny preset: losses equal to no offload"
-  python3 benchmarks/offload_check.py 2>&1 | grep '^{' | tee "$OUT/offload_check.jsonl"
-fi
 
 if want 1b; then
   echo "== 1B, B=8 T=2048: cost of each switch"

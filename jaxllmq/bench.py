@@ -13,15 +13,16 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.profiler import get_profiled_instructions_proto
 
-from jaxllmq import profile, train_step
+from jaxllmq import peaks, profile, train_step
 from jaxllmq.data.pipeline import to_global_arrays
-from jaxllmq.log import PEAK_FLOPS_BF16
 from jaxllmq.model.architecture import ModelConfig
 from jaxllmq.parallel.mesh import batch_rows, make_mesh
 from jaxllmq.plan import plan_for
@@ -57,20 +58,36 @@ class BenchConfig(Settings):
     )
 
 
-def matmul_ceiling(n: int = 8192, reps: int = 10) -> float:
-    """Measured bf16 matmul FLOP/s of one device (random data, median of `reps`)."""
+def time_calls(
+    call: Callable[[], Any],
+    *,
+    calls: int = 10,
+    batches: int = 5,
+    warmup: int = 2,
+    wait: Callable[[Any], Any] = jax.block_until_ready,
+) -> float:
+    """Seconds per call of `call()`: the median over `batches` batches of `calls` calls issued
+    back to back and waited for once, after `warmup` calls. One wait per call would time the
+    dispatch and the synchronization too, which dominate a kernel of tens of microseconds.
+    `wait` blocks on a call's result (another framework's: torch.cuda.synchronize)."""
+    for _ in range(warmup):
+        wait(call())
+    times = []
+    for _ in range(batches):
+        t = time.perf_counter()
+        for _ in range(calls):
+            out = call()
+        wait(out)
+        times.append((time.perf_counter() - t) / calls)
+    return statistics.median(times)
+
+
+def matmul_ceiling(n: int = 8192) -> float:
+    """Measured bf16 matmul FLOP/s of one device (random data)."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
     mm = jax.jit(lambda x, y: x @ y)
-    mm(a, b).block_until_ready()
-    times = []
-    for _ in range(3):  # back to back, so per-call dispatch and sync stay out of the rate
-        t = time.perf_counter()
-        for _ in range(reps):
-            c = mm(a, b)
-        c.block_until_ready()
-        times.append((time.perf_counter() - t) / reps)
-    return 2 * n**3 / statistics.median(times)
+    return 2 * n**3 / time_calls(lambda: mm(a, b), calls=10, batches=3)
 
 
 def synthetic_batch(cfg: ModelConfig, acc: int, rows: int, seq_len: int, seed: int = 0) -> dict:
@@ -183,6 +200,12 @@ def run_bench(
     tokens_per_s = tokens_per_step * steps / total_s
     flops = model_cfg.flops_per_token(seq_len) * tokens_per_s
     on_gpu = jax.default_backend() == "gpu"
+    kind = mesh.devices.flat[0].device_kind
+    # MFU against the spec-sheet dense peak of the device that ran (None where unknown); an fp8
+    # run against both its bf16 and its fp8 peak.
+    peak_bf16, peak_fp8 = peaks.peak_flops(kind), peaks.peak_flops(kind, "fp8")
+    if not spec.linear_dtype:
+        peak_fp8 = None
     peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.local_devices())
     out = {
         "model": spec.model,
@@ -191,7 +214,7 @@ def run_bench(
         "processes": jax.process_count(),
         "zero_level": mesh_cfg.zero_level,
         "tensor_parallel": mesh_cfg.tensor_parallel,
-        "device_kind": jax.devices()[0].device_kind,
+        "device_kind": kind,
         "batch_size": data.batch_size,
         "seq_len": seq_len,
         "grad_accumulation": grad_accumulation,
@@ -211,7 +234,8 @@ def run_bench(
         "step_ms_mean": 1000 * total_s / steps,
         "step_ms_median": 1000 * statistics.median(per_step),
         "step_ms_stdev": 1000 * statistics.pstdev(per_step),
-        "mfu_spec": flops / (PEAK_FLOPS_BF16 * n_dev) if on_gpu else None,
+        "mfu_spec": flops / (peak_bf16 * n_dev) if peak_bf16 else None,
+        "mfu_spec_fp8": flops / (peak_fp8 * n_dev) if peak_fp8 else None,
         "peak_memory_gib_per_device": peak / 2**30 or None,
         "compile_s": compile_s,
         "init_s": init_s,

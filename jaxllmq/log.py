@@ -19,9 +19,6 @@ from typing import IO, Any
 
 import numpy as np
 
-# Dense bf16 FLOP/s of one H100/H200 (spec sheet): the MFU denominator.
-PEAK_FLOPS_BF16 = 989e12
-
 OUTLIER_METRICS = ("loss", "norm")
 
 
@@ -126,6 +123,8 @@ class RunLog:
     `step` is the number of the step just finished, counted from 1, so `step == total_steps` is
     the last. The JSONL file is opened for append (a resumed run continues it), and each record
     is one whole line written with a single write, so the file stays valid after a crash.
+    `peak_flops` is all devices' dense bf16 peak (jaxllmq/peaks.py), 0 where it is unknown (no
+    MFU then); `peak_flops_fp8` their fp8 peak for an fp8 run (its steps also get `mfu_fp8`).
     """
 
     def __init__(
@@ -134,8 +133,8 @@ class RunLog:
         *,
         total_steps: int,
         flops_per_token: float,
-        peak_flops: float | None = None,
-        num_devices: int = 1,
+        peak_flops: float = 0.0,
+        peak_flops_fp8: float = 0.0,
         is_main: bool = True,
         stream: IO[str] | None = None,
         outlier_window: int = 100,
@@ -149,7 +148,8 @@ class RunLog:
     ):
         self.total_steps = total_steps
         self.flops_per_token = flops_per_token
-        self.peak_flops = PEAK_FLOPS_BF16 * num_devices if peak_flops is None else peak_flops
+        self.peak_flops = peak_flops
+        self.peak_flops_fp8 = peak_flops_fp8
         self.is_main = is_main
         self.stream = sys.stdout if stream is None else stream
         self.outlier_warmup = max(outlier_warmup, 2)
@@ -214,6 +214,8 @@ class RunLog:
             return
         tokens_per_s = tokens / (duration_ms / 1000) if duration_ms > 0 else 0.0
         util = mfu(self.flops_per_token, tokens_per_s, self.peak_flops)
+        if self.peak_flops_fp8 > 0:  # fp8 runs: against the fp8 peak too
+            extra["mfu_fp8"] = mfu(self.flops_per_token, tokens_per_s, self.peak_flops_fp8)
         self.record(
             "step",
             step,

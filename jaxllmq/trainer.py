@@ -11,14 +11,14 @@ from collections.abc import Iterator
 
 import jax
 
-from jaxllmq import memory, runlock
+from jaxllmq import memory, peaks, runlock
 from jaxllmq.checkpoint import Checkpointing
 from jaxllmq.checkpoint_files import CheckpointError
 from jaxllmq.data.pipeline import TokenBatches, to_global_arrays
 from jaxllmq.dtypes import DTYPES
 from jaxllmq.export import tokenizer_dir
 from jaxllmq.generate import GenerateError, Sampler
-from jaxllmq.log import PEAK_FLOPS_BF16, RunLog
+from jaxllmq.log import RunLog
 from jaxllmq.model import hf
 from jaxllmq.model.architecture import load_model_config
 from jaxllmq.optim import NonFiniteError, check_nonfinite, lr_schedule
@@ -125,12 +125,14 @@ class Trainer:
         except ValueError as e:
             raise SettingError(str(e)) from e
         self.tokens_per_step = d.seq_len * self.rows * d.grad_accumulation
-        on_gpu = jax.default_backend() == "gpu"
+        kind = self.mesh.devices.flat[0].device_kind  # MFU against its peaks, none if unknown
+        peak = lambda dtype: (peaks.peak_flops(kind, dtype) or 0.0) * n_dev
         self.log = RunLog(
             cfg.log_file,
             total_steps=self.total_steps,
             flops_per_token=self.model_cfg.flops_per_token(d.seq_len),
-            peak_flops=PEAK_FLOPS_BF16 * n_dev if on_gpu else 0.0,
+            peak_flops=peak("bfloat16"),
+            peak_flops_fp8=peak("fp8") if cfg.model.linear_dtype else 0.0,
             is_main=jax.process_index() == 0,
             tensorboard_dir=cfg.tensorboard_dir,
             wandb_project=cfg.wandb_project,

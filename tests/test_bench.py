@@ -31,9 +31,23 @@ def test_bench_reports_throughput_and_a_falling_loss():
         < 1e-6 * tokens_per_step
     )
     assert out["losses"][-1] < out["losses"][0]  # the same batch, so it must be learned
-    assert out["compile_s"] > 0 and out["mfu_spec"] is None
+    assert out["compile_s"] > 0 and out["mfu_spec"] is None and out["mfu_spec_fp8"] is None
     assert out["profile"]["device_ms_per_step"] == 0  # the trace ran; a CPU has no GPU streams
     assert out["kernels_used"] == dict.fromkeys(KERNELS, "xla")  # auto on CPU
+
+
+def test_time_calls_waits_once_per_batch():
+    """Calls go back to back; the wait comes once per batch (and after each warm-up call)."""
+    events = []
+    seconds = bench.time_calls(
+        lambda: events.append("call") or len(events),
+        calls=4,
+        batches=3,
+        warmup=1,
+        wait=lambda out: events.append("wait"),
+    )
+    assert events == ["call", "wait"] + (["call"] * 4 + ["wait"]) * 3
+    assert seconds > 0
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from jaxllmq.log import PEAK_FLOPS_BF16, MissingExtraError, RunLog, mfu
+from jaxllmq.log import MissingExtraError, RunLog, mfu
 
 
 class _Tty(io.StringIO):
@@ -77,7 +77,7 @@ def test_append_and_partial_line(tmp_path):
 
 
 def test_step_record_and_mfu(tmp_path):
-    log, _ = _log(tmp_path, num_devices=8, flops_per_token=1.2e10)
+    log, _ = _log(tmp_path, peak_flops=8 * 989e12, flops_per_token=1.2e10)
     log.step(3, loss=2.5, norm=0.75, lr=3e-4, tokens=65536, duration_ms=500.0, lse_max=9.0)
     log.close()
     (rec,) = _records(tmp_path / "logs" / "run.jsonl")
@@ -87,7 +87,7 @@ def test_step_record_and_mfu(tmp_path):
     for key, val in dict(loss=2.5, norm=0.75, lr=3e-4, tokens=65536, duration_ms=500.0).items():
         assert rec[key] == val
     assert rec["lse_max"] == 9.0
-    assert PEAK_FLOPS_BF16 == 989e12
+    assert "mfu_fp8" not in rec  # a bf16 run
     assert mfu(6e9, 41.2e12 / 6e9, 100e12) == pytest.approx(0.412)
     assert mfu(6e9, 1e4, 0.0) == 0.0
 
@@ -106,6 +106,14 @@ def test_console_line(tmp_path):
     assert lines[0].endswith("ETA 8m08s")
     assert "100.0k tok/s | MFU 60.7% | ETA 8m07s" in lines[1]
     assert "\r" not in out.getvalue()  # not a terminal: plain lines, no redraws
+
+
+def test_fp8_run_reports_mfu_against_both_peaks(tmp_path):
+    log, _ = _log(tmp_path, peak_flops=1e15, peak_flops_fp8=2e15, flops_per_token=1e10)
+    log.step(1, loss=1.0, norm=1.0, lr=1e-3, tokens=50_000, duration_ms=1000.0)
+    log.close()
+    (rec,) = _records(tmp_path / "logs" / "run.jsonl")
+    assert rec["mfu"] == pytest.approx(0.5) and rec["mfu_fp8"] == pytest.approx(0.25)
 
 
 def test_no_peak_omits_mfu(tmp_path):

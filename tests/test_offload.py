@@ -3,7 +3,7 @@
 On CPU (jax 0.10) `pinned_host` is an addressable memory: the state's arrays live there and the
 compiled step's arguments carry it (S(5) in the entry layout), but a device_put inside jit lowers
 to nothing, so the streams' transfers are exercised as code, not as copies. The GPU side is
-benchmarks/offload_check.py.
+tests/gpu/test_gpu_training.py.
 """
 
 import dataclasses
