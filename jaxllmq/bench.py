@@ -5,10 +5,12 @@
 
 Takes the trainer's flags (the same flagfiles work; --train_file is not needed; the command is
 jaxllmq/cli/bench.py) and builds the state and step through train_step.build, the code path a
-training run uses.
+training run uses. With --document_masking the windows hold documents of a realistic length mix
+(see DOC_MEDIAN), masked apart as in training.
 """
 
 import dataclasses
+import math
 import os
 import statistics
 import tempfile
@@ -20,7 +22,7 @@ import numpy as np
 from jax.experimental.profiler import get_profiled_instructions_proto
 
 from jaxllmq import profile, train_step
-from jaxllmq.data.pipeline import to_global_arrays
+from jaxllmq.data.pipeline import documents, to_global_arrays
 from jaxllmq.log import PEAK_FLOPS_BF16
 from jaxllmq.model.architecture import ModelConfig
 from jaxllmq.parallel.mesh import batch_rows, make_mesh
@@ -73,15 +75,48 @@ def matmul_ceiling(n: int = 8192, reps: int = 10) -> float:
     return 2 * n**3 / statistics.median(times)
 
 
-def synthetic_batch(cfg: ModelConfig, acc: int, rows: int, seq_len: int, seed: int = 0) -> dict:
-    """Uniform random tokens [acc, rows, seq_len], every target trained on."""
+# With --document_masking the synthetic windows hold documents of log-normal lengths (median
+# DOC_MEDIAN tokens, log standard deviation DOC_SIGMA, a fixed seed), each ending with EOS, as a
+# corpus's documents fall into windows: so the step timed masks what a user's run masks.
+DOC_MEDIAN, DOC_SIGMA = 600, 1.0
+
+
+def synthetic_batch(
+    cfg: ModelConfig, acc: int, rows: int, seq_len: int, seed: int = 0, eos_id: int | None = None
+) -> dict:
+    """Uniform random tokens [acc, rows, seq_len], every target trained on; with `eos_id`, cut
+    into documents ending with it, with the pipeline's segment_ids, positions and loss mask."""
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, cfg.vocab_size, size=(acc, rows, seq_len + 1), dtype=np.int32)
-    return {
-        "inputs": tokens[..., :-1],
-        "targets": tokens[..., 1:],
-        "loss_mask": np.ones((acc, rows, seq_len), bool),
-    }
+    shape = (acc, rows, seq_len + 1)
+    if eos_id is None:
+        tokens = rng.integers(0, cfg.vocab_size, size=shape, dtype=np.int32)
+        return {
+            "inputs": tokens[..., :-1],
+            "targets": tokens[..., 1:],
+            "loss_mask": np.ones((acc, rows, seq_len), bool),
+        }
+    stream = rng.integers(0, cfg.vocab_size - 1, size=math.prod(shape), dtype=np.int32)
+    stream += stream >= eos_id  # no EOS but at documents' ends
+    lengths = rng.lognormal(math.log(DOC_MEDIAN), DOC_SIGMA, size=len(stream))
+    ends = np.cumsum(np.maximum(1, np.round(lengths)).astype(np.int64)) - 1
+    stream[ends[ends < len(stream)]] = eos_id
+    windows = stream.reshape(-1, seq_len + 1)
+    segment_ids, positions, trained = documents(windows[:, :-1], eos_id)
+    batch = {"inputs": windows[:, :-1], "targets": windows[:, 1:], "loss_mask": trained,
+             "segment_ids": segment_ids, "positions": positions}  # fmt: skip
+    return {k: v.reshape(acc, rows, seq_len) for k, v in batch.items()}
+
+
+def bench_eos_id(model_cfg: ModelConfig, data: DataConfig) -> int | None:
+    """The EOS id of the synthetic documents under --document_masking (--eos_id, else the
+    model's first eos_token_id, else 0); None without it."""
+    if not data.document_masking:
+        return None
+    if data.eos_id is not None:
+        return data.eos_id
+    eos = model_cfg.eos_token_id
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    return eos if isinstance(eos, int) and 0 <= eos < model_cfg.vocab_size else 0
 
 
 def build_synthetic(
@@ -98,10 +133,7 @@ def build_synthetic(
     pipeline does.
     """
     plan = plan_for(
-        model_cfg,
-        spec,
-        mesh,
-        zero_level=zero_level,
+        model_cfg, spec, mesh, zero_level=zero_level, document_masking=data.document_masking
     )
     built = train_step.build(model_cfg, spec, optim, plan, mesh=mesh, total_steps=10_000, seed=0)
     rows = batch_rows(mesh, data.batch_size)
@@ -111,6 +143,7 @@ def build_synthetic(
         rows // jax.process_count(),
         data.seq_len,
         seed=jax.process_index(),
+        eos_id=bench_eos_id(model_cfg, data),
     )
     return built, to_global_arrays(local, built.batch_sharding)
 
@@ -201,6 +234,8 @@ def run_bench(
         "fp8_scaling": spec.fp8_scaling if spec.linear_dtype else None,
         "scan_layers": spec.scan_layers,
         "attention": spec.attention,
+        "attention_used": built.plan.attention,  # what ran: auto resolved, documents' choice
+        "document_masking": data.document_masking,
         "deterministic": spec.deterministic,
         "recompute": list(spec.recompute.names()) + (["block"] if spec.recompute.block else []),
         "kernels": spec.kernels,
