@@ -4,6 +4,8 @@ masked EOS tokens; with --document_masking each example gets the loss it gets al
 import collections
 import dataclasses
 import json
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +146,18 @@ def test_overlong_examples_dropped_and_other_seq_lens_refused(chat, tmp_path, ca
         DataConfig(train_files=(shard,), seq_len=2 * T)
     with pytest.raises(SettingError, match=r"^--eval_file: .*--seq_len=63, not --seq_len=32"):
         DataConfig(eval_files=(shard,), seq_len=32)
+    train = [sys.executable, "-m", "jaxllmq.main", "--model=tiny", "--from_scratch",
+             f"--train_file={shard}", "--seq_len=32", "--steps=1", "--document_masking"]  # fmt: skip
+    refused = subprocess.run(train, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert (
+        refused.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"error: --train_file: {tmp_path / 'out' / PACK_FILE} says its shards were packed for "
+            "--seq_len=63, not --seq_len=32: train with --seq_len=63"
+        )
+    )
     assert _prepare(chat, tmp_path / "x", "--pack") == (
         "error: --pack needs --seq_len, the training run's: windows are seq_len + 1 tokens"
     )
