@@ -15,7 +15,7 @@ from flax import nnx
 from tiny_tokenizer import write_tiny_tokenizer
 
 from jaxllmq.cli.prepare import main
-from jaxllmq.data.pack import PACK_FILE, best_fit_decreasing
+from jaxllmq.data.pack import PACK_FILE, Packer, best_fit_decreasing
 from jaxllmq.data.pipeline import TokenBatches
 from jaxllmq.data.shards import open_shard
 from jaxllmq.model.architecture import preset
@@ -81,6 +81,28 @@ def test_best_fit_decreasing_fills_windows_with_whole_examples():
     assert len(windows) == int(np.ceil(lengths.sum() / 10))  # as few as the tokens allow here
     assert windows == best_fit_decreasing(lengths, 10)
     assert windows[0] == [2, 3]  # the longest first, then the window it fills best
+
+
+def test_the_packer_packs_a_buffer_at_a_time():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 12, 60)
+    docs = [np.r_[rng.integers(1, 50, n - 1), 0].astype(np.int32) for n in lengths]
+    chunks = [
+        (np.concatenate(docs[i : i + 15]), lengths[i : i + 15], None) for i in range(0, 60, 15)
+    ]
+    packer = Packer(16, 0, "truncate", buffer_tokens=50)  # a buffer a chunk
+    packed = list(packer.pack(chunks))
+    assert len(packed) == 4 and all((n == 16).all() for _, n, _ in packed)
+    tokens = np.concatenate([t for t, _, _ in packed])
+    mask = np.concatenate([m for _, _, m in packed])
+    assert packer.windows * 16 == len(tokens) and packer.trained == (lengths - 1).sum()
+    found = []
+    for window, m in zip(tokens.reshape(-1, 16), mask.reshape(-1, 16), strict=True):
+        ends = np.flatnonzero(window == 0) + 1
+        spans = zip(np.r_[0, ends[:-1]], ends, strict=True)
+        found += [tuple(window[a:b]) for a, b in spans if m[a]]
+        assert not m[ends[-1] :].any()  # the rest of a window: padding
+    assert sorted(found) == sorted(tuple(d) for d in docs)  # each example once, whole
 
 
 def test_prepare_packs_whole_examples_into_the_pipelines_windows(chat, tmp_path, capsys):

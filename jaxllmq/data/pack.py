@@ -26,8 +26,8 @@ import numpy as np
 from jaxllmq.setting import SettingError, Settings, setting
 
 PACK_FILE = "pack.json"
-# Examples are packed in buffers of about this many tokens (memory stays flat on large sets; a
-# buffer's last windows are the only ones that may be filled less than best-fit would).
+# Examples are packed a buffer of about this many tokens at a time, each buffer into windows of
+# its own, so memory stays flat on large sets.
 BUFFER_TOKENS = 1 << 25
 
 Chunk = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # tokens, lengths, mask (None: all 1)
