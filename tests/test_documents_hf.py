@@ -39,6 +39,7 @@ def test_each_packed_documents_eval_loss_matches_transformers_alone(tmp_path):
     # What the pipeline makes of the window (pipeline.py: inputs, targets, loss mask, documents).
     inputs, targets = window[None, :-1], window[None, 1:]
     segment_ids, positions, trained = documents(inputs, EOS)
+    assert segment_ids.max() == 3  # the three documents, then the padding as one
     loss_mask = (window_mask[1:] & trained[0])[None]
     packed = np.asarray(model.logits(inputs, positions, segment_ids))[0]
     plain = np.asarray(model.logits(inputs))[0]  # the window as one sequence

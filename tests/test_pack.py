@@ -1,5 +1,5 @@
 """prepare --pack: fine-tuning examples placed whole into the pipeline's windows, padded with
-masked EOS tokens; with --document_masking each example gets the loss it gets alone."""
+untrained tokens; with --document_masking each example gets the loss it gets alone."""
 
 import collections
 import dataclasses
@@ -15,7 +15,7 @@ from flax import nnx
 from tiny_tokenizer import write_tiny_tokenizer
 
 from jaxllmq.cli.prepare import main
-from jaxllmq.data.pack import PACK_FILE, Packer, best_fit_decreasing
+from jaxllmq.data.pack import PACK_FILE, Packer, best_fit_decreasing, pad_id
 from jaxllmq.data.pipeline import TokenBatches
 from jaxllmq.data.shards import open_shard
 from jaxllmq.model.architecture import preset
@@ -99,9 +99,9 @@ def test_the_packer_packs_a_buffer_at_a_time():
     found = []
     for window, m in zip(tokens.reshape(-1, 16), mask.reshape(-1, 16), strict=True):
         ends = np.flatnonzero(window == 0) + 1
-        spans = zip(np.r_[0, ends[:-1]], ends, strict=True)
-        found += [tuple(window[a:b]) for a, b in spans if m[a]]
-        assert not m[ends[-1] :].any()  # the rest of a window: padding
+        found += [tuple(window[a:b]) for a, b in zip(np.r_[0, ends[:-1]], ends, strict=True)]
+        # The rest of a window: padding, not EOS (one document), not trained on.
+        assert (window[ends[-1] :] == pad_id(0)).all() and not m[ends[-1] :].any()
     assert sorted(found) == sorted(tuple(d) for d in docs)  # each example once, whole
 
 
@@ -129,13 +129,11 @@ def test_prepare_packs_whole_examples_into_the_pipelines_windows(chat, tmp_path,
             trained += m[1:].sum()
             continue
         for a, b in zip(np.r_[0, ends[:-1]], ends, strict=True):
-            if b - a == 1 and not m[a]:  # padding: lone EOS tokens, never trained on
-                assert b > ends[0]
-                pads += 1
-                continue
             found.append(_key(window[a:b], m[a:b]))
             trained += m[a + 1 : b].sum()
-        assert not m[ends[-1] :].any() and (window[ends[-1] :] == eos).all()
+        # After the last example's EOS: padding, never trained on.
+        assert (window[ends[-1] :] == pad_id(eos)).all() and not m[ends[-1] :].any()
+        pads += T + 1 - ends[-1]
     # Every example is in one window, whole, but the one longer than a window (cut to its first
     # window) and the one whose prompt fills a window (dropped: nothing to train on).
     long = [e for e in plain if len(e[0]) > T + 1]
@@ -214,7 +212,8 @@ def test_each_packed_example_gets_the_loss_it_gets_alone(chat, tmp_path):
         for s in np.unique(batch["segment_ids"][b]):
             idx = np.flatnonzero(batch["segment_ids"][b] == s)
             if not batch["loss_mask"][b, idx].any():
-                continue  # padding
+                assert s == batch["segment_ids"][b, -1]  # padding: one document, the last
+                continue
             # The example: its tokens through its EOS (the target of its last input, or its
             # last input when a document follows, whose first token is not trained on).
             end = idx[-1] + (1 if window[idx[-1]] == eos else 2)

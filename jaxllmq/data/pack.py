@@ -3,10 +3,12 @@
 The pipeline cuts shards into windows of T + 1 tokens from each shard's start (inputs are a
 window's first T tokens, targets its last T). With --pack, prepare writes shards that are whole
 windows: each example (prompt + response + EOS, or text + EOS) lies inside one window, placed by
-best-fit decreasing over a buffer of examples, and the rest of a window is EOS tokens with a loss
-mask of 0. Under --document_masking each pad EOS is a document of its own (a document ends with
-EOS), so no real token attends to padding, and no pad is trained on. The windows then go to the
-train shards and eval.bin as whole units; shards hold a multiple of T + 1 tokens.
+best-fit decreasing over a buffer of examples, and the rest of a window is padding with a loss
+mask of 0. Padding is a token other than EOS (`pad_id`), so under --document_masking it is one
+document (it follows the last example's EOS and ends with the window): no real token attends to
+it, it costs one document of the window, not one per pad token, and the target after the last
+EOS is not trained on. The windows then go to the train shards and eval.bin as whole units;
+shards hold a multiple of T + 1 tokens.
 
 An example longer than a window is cut to its first window (--pack_overlong=truncate; dropped
 when that part has nothing to train on) or left out (drop). pack.json beside eos.json records T:
@@ -40,9 +42,9 @@ class PackConfig(Settings):
     pack: bool = setting(
         False,
         "Place each example (prompt + response + EOS, or text + EOS) whole into windows of "
-        "--seq_len + 1 tokens (best-fit decreasing), the rest of a window padded with EOS tokens "
-        "that are not trained on. Train with the same --seq_len and --document_masking (each "
-        "example then gets the loss it gets alone).",
+        "--seq_len + 1 tokens (best-fit decreasing), the rest of a window padding that is not "
+        "trained on. Train with the same --seq_len and --document_masking (each example then "
+        "gets the loss it gets alone).",
     )
     seq_len: int | None = setting(
         None, "With --pack: the training run's --seq_len (a window is seq_len + 1 tokens).", lower=2
@@ -61,6 +63,11 @@ class PackConfig(Settings):
             )
         if self.seq_len is not None and not self.pack:
             raise SettingError(f"--seq_len={self.seq_len} is for --pack: add --pack or drop it")
+
+
+def pad_id(eos_id: int) -> int:
+    """The token packed windows are padded with: any id but EOS (so padding is one document)."""
+    return 1 if eos_id == 0 else 0
 
 
 def best_fit_decreasing(lengths: np.ndarray, window: int) -> list[list[int]]:
@@ -97,7 +104,7 @@ class Packer:
     a "document" of `window` tokens for prepare's Split; counts what it did."""
 
     def __init__(self, window: int, eos_id: int, overlong: str, buffer_tokens: int = BUFFER_TOKENS):
-        self.window, self.eos_id, self.overlong = window, eos_id, overlong
+        self.window, self.pad_id, self.overlong = window, pad_id(eos_id), overlong
         self.buffer_tokens = buffer_tokens
         self.examples = self.windows = self.trained = 0
         self.truncated = self.dropped = 0
@@ -132,7 +139,7 @@ class Packer:
     def _flush(self) -> Chunk:
         lengths = np.array([len(t) for t in self._tokens], np.int64)
         placed = best_fit_decreasing(lengths, self.window)
-        tokens = np.full((len(placed), self.window), self.eos_id, np.int32)
+        tokens = np.full((len(placed), self.window), self.pad_id, np.int32)
         mask = np.zeros((len(placed), self.window), bool)
         for w, examples in enumerate(placed):
             at = 0
