@@ -81,6 +81,9 @@ def test_best_fit_decreasing_fills_windows_with_whole_examples():
     assert len(windows) == int(np.ceil(lengths.sum() / 10))  # as few as the tokens allow here
     assert windows == best_fit_decreasing(lengths, 10)
     assert windows[0] == [2, 3]  # the longest first, then the window it fills best
+    ones = np.ones(7, int)  # at most 3 a window: windows of 3, 3 and 1, not one of 7
+    assert best_fit_decreasing(ones, 10) == [list(range(7))]
+    assert best_fit_decreasing(ones, 10, max_items=3) == [[0, 1, 2], [3, 4, 5], [6]]
 
 
 def test_the_packer_packs_a_buffer_at_a_time():
@@ -156,11 +159,14 @@ def test_prepare_packs_whole_examples_into_the_pipelines_windows(chat, tmp_path,
 
 
 def test_overlong_examples_dropped_and_other_seq_lens_refused(chat, tmp_path, capsys):
-    chat, _ = chat
-    flags = ["--pack", f"--seq_len={T}", "--pack_overlong=drop", "--eval_fraction=0"]
+    chat, eos = chat
+    flags = ["--pack", f"--seq_len={T}", "--pack_overlong=drop", "--eval_fraction=0",
+             "--pack_max_examples=2"]  # fmt: skip
     assert _prepare(chat, tmp_path / "out", *flags) is None
     assert "2 longer than a window dropped" in capsys.readouterr().out
     shard = str(tmp_path / "out" / "train-000.bin")
+    windows = open_shard(shard).tokens.reshape(-1, T + 1)
+    assert (windows == eos).sum(axis=1).max() == 2  # examples a window (none truncated here)
     assert DataConfig(train_files=(shard,), seq_len=T).seq_len == T
     with pytest.raises(SettingError, match=r"^--train_file: .*pack.json says .* --seq_len=63, not"):
         DataConfig(train_files=(shard,), seq_len=2 * T)

@@ -55,6 +55,12 @@ class PackConfig(Settings):
         "out if that part has nothing to train on) or left out (drop).",
         choices=("truncate", "drop"),
     )
+    pack_max_examples: int | None = setting(
+        None,
+        "With --pack: at most this many examples a window (default: as many as fit). Under "
+        "--document_masking each is one of the window's documents, the padding one more.",
+        lower=1,
+    )
 
     def check(self) -> None:
         if self.pack and self.seq_len is None:
@@ -70,10 +76,12 @@ def pad_id(eos_id: int) -> int:
     return 1 if eos_id == 0 else 0
 
 
-def best_fit_decreasing(lengths: np.ndarray, window: int) -> list[list[int]]:
-    """Indices of `lengths` (each <= window) grouped into windows of `window` tokens: longest
-    first, each into the fullest window it fits in (the lowest-numbered one among equals), a
-    new window when none has room. Deterministic."""
+def best_fit_decreasing(
+    lengths: np.ndarray, window: int, max_items: int | None = None
+) -> list[list[int]]:
+    """Indices of `lengths` (each <= window) grouped into windows of `window` tokens, at most
+    `max_items` each: longest first, each into the fullest window it fits in (the
+    lowest-numbered one among equals), a new window when none has room. Deterministic."""
     windows: list[list[int]] = []
     free: list[int] = []  # sorted distinct room left in open windows
     open_: dict[int, list[int]] = {}  # room -> windows with that room, oldest first
@@ -91,7 +99,7 @@ def best_fit_decreasing(lengths: np.ndarray, window: int) -> list[list[int]]:
                 free.pop(k)
         windows[w].append(i)
         room -= n
-        if room:
+        if room and len(windows[w]) != max_items:
             if room not in open_:
                 bisect.insort(free, room)
                 open_[room] = []
@@ -103,9 +111,16 @@ class Packer:
     """Turns chunks of examples (prepare's encode_in_order) into chunks of packed windows, each
     a "document" of `window` tokens for prepare's Split; counts what it did."""
 
-    def __init__(self, window: int, eos_id: int, overlong: str, buffer_tokens: int = BUFFER_TOKENS):
+    def __init__(
+        self,
+        window: int,
+        eos_id: int,
+        overlong: str,
+        max_examples: int | None = None,
+        buffer_tokens: int = BUFFER_TOKENS,
+    ):
         self.window, self.pad_id, self.overlong = window, pad_id(eos_id), overlong
-        self.buffer_tokens = buffer_tokens
+        self.max_examples, self.buffer_tokens = max_examples, buffer_tokens
         self.examples = self.windows = self.trained = 0
         self.truncated = self.dropped = 0
         self._tokens: list[np.ndarray] = []
@@ -138,7 +153,7 @@ class Packer:
 
     def _flush(self) -> Chunk:
         lengths = np.array([len(t) for t in self._tokens], np.int64)
-        placed = best_fit_decreasing(lengths, self.window)
+        placed = best_fit_decreasing(lengths, self.window, self.max_examples)
         tokens = np.full((len(placed), self.window), self.pad_id, np.int32)
         mask = np.zeros((len(placed), self.window), bool)
         for w, examples in enumerate(placed):

@@ -473,7 +473,7 @@ def run(args: PrepareConfig) -> dict:
                              args.workers)  # fmt: skip
     shard_tokens, pack = args.tokens_per_shard, args.packing
     if pack.pack:  # whole windows of whole examples go to the train shards and eval.bin
-        packer = Packer(pack.seq_len + 1, eos_id, pack.pack_overlong)
+        packer = Packer(pack.seq_len + 1, eos_id, pack.pack_overlong, pack.pack_max_examples)
         chunks, shard_tokens = packer.pack(chunks), whole_windows(shard_tokens, packer.window)
     with Split(args.out_dir, vocab_size, shard_tokens, args.eval_fraction,
                args.eval_tokens) as split:  # fmt: skip
