@@ -75,43 +75,44 @@ def matmul_ceiling(n: int = 8192, reps: int = 10) -> float:
     return 2 * n**3 / statistics.median(times)
 
 
+def synthetic_batch(cfg: ModelConfig, acc: int, rows: int, seq_len: int, seed: int = 0) -> dict:
+    """Uniform random tokens [acc, rows, seq_len], every target trained on."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, cfg.vocab_size, size=(acc, rows, seq_len + 1), dtype=np.int32)
+    return {
+        "inputs": tokens[..., :-1],
+        "targets": tokens[..., 1:],
+        "loss_mask": np.ones((acc, rows, seq_len), bool),
+    }
+
+
 # With --document_masking the synthetic windows hold documents of log-normal lengths (median
 # DOC_MEDIAN tokens, log standard deviation DOC_SIGMA, a fixed seed), each ending with EOS, as a
 # corpus's documents fall into windows: so the step timed masks what a user's run masks.
 DOC_MEDIAN, DOC_SIGMA = 600, 1.0
 
 
-def synthetic_batch(
-    cfg: ModelConfig, acc: int, rows: int, seq_len: int, seed: int = 0, eos_id: int | None = None
-) -> dict:
-    """Uniform random tokens [acc, rows, seq_len], every target trained on; with `eos_id`, cut
-    into documents ending with it, with the pipeline's segment_ids, positions and loss mask."""
-    rng = np.random.default_rng(seed)
-    shape = (acc, rows, seq_len + 1)
-    if eos_id is None:
-        tokens = rng.integers(0, cfg.vocab_size, size=shape, dtype=np.int32)
-        return {
-            "inputs": tokens[..., :-1],
-            "targets": tokens[..., 1:],
-            "loss_mask": np.ones((acc, rows, seq_len), bool),
-        }
-    stream = rng.integers(0, cfg.vocab_size - 1, size=math.prod(shape), dtype=np.int32)
-    stream += stream >= eos_id  # no EOS but at documents' ends
+def with_documents(batch: dict, eos_id: int, seed: int = 0) -> dict:
+    """synthetic_batch's windows, read as one token stream, cut into documents ending with
+    `eos_id` (no EOS elsewhere), with the pipeline's segment_ids, positions and loss mask."""
+    rng = np.random.default_rng([seed, eos_id])
+    acc, rows, seq_len = batch["inputs"].shape
+    windows = np.concatenate([batch["inputs"], batch["targets"][..., -1:]], axis=-1)
+    stream = windows.reshape(-1).copy()
+    stream[stream == eos_id] = 0 if eos_id else 1
     lengths = rng.lognormal(math.log(DOC_MEDIAN), DOC_SIGMA, size=len(stream))
     ends = np.cumsum(np.maximum(1, np.round(lengths)).astype(np.int64)) - 1
     stream[ends[ends < len(stream)]] = eos_id
     windows = stream.reshape(-1, seq_len + 1)
     segment_ids, positions, trained = documents(windows[:, :-1], eos_id)
-    batch = {"inputs": windows[:, :-1], "targets": windows[:, 1:], "loss_mask": trained,
-             "segment_ids": segment_ids, "positions": positions}  # fmt: skip
-    return {k: v.reshape(acc, rows, seq_len) for k, v in batch.items()}
+    out = {"inputs": windows[:, :-1], "targets": windows[:, 1:], "loss_mask": trained,
+           "segment_ids": segment_ids, "positions": positions}  # fmt: skip
+    return {k: v.reshape(acc, rows, seq_len) for k, v in out.items()}
 
 
-def bench_eos_id(model_cfg: ModelConfig, data: DataConfig) -> int | None:
-    """The EOS id of the synthetic documents under --document_masking (--eos_id, else the
-    model's first eos_token_id, else 0); None without it."""
-    if not data.document_masking:
-        return None
+def bench_eos_id(model_cfg: ModelConfig, data: DataConfig) -> int:
+    """The EOS id of the synthetic documents: --eos_id, else the model's first eos_token_id,
+    else 0."""
     if data.eos_id is not None:
         return data.eos_id
     eos = model_cfg.eos_token_id
@@ -143,8 +144,9 @@ def build_synthetic(
         rows // jax.process_count(),
         data.seq_len,
         seed=jax.process_index(),
-        eos_id=bench_eos_id(model_cfg, data),
     )
+    if data.document_masking:
+        local = with_documents(local, bench_eos_id(model_cfg, data), seed=jax.process_index())
     return built, to_global_arrays(local, built.batch_sharding)
 
 
