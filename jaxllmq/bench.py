@@ -5,10 +5,12 @@
 
 Takes the trainer's flags (the same flagfiles work; --train_file is not needed; the command is
 jaxllmq/cli/bench.py) and builds the state and step through train_step.build, the code path a
-training run uses.
+training run uses. With --document_masking the windows hold documents of a realistic length mix
+(see DOC_MEDIAN), masked apart as in training.
 """
 
 import dataclasses
+import math
 import os
 import statistics
 import tempfile
@@ -22,7 +24,7 @@ import numpy as np
 from jax.experimental.profiler import get_profiled_instructions_proto
 
 from jaxllmq import peaks, profile, train_step
-from jaxllmq.data.pipeline import to_global_arrays
+from jaxllmq.data.pipeline import documents, to_global_arrays
 from jaxllmq.model.architecture import ModelConfig
 from jaxllmq.parallel.mesh import batch_rows, make_mesh
 from jaxllmq.plan import plan_for
@@ -101,6 +103,41 @@ def synthetic_batch(cfg: ModelConfig, acc: int, rows: int, seq_len: int, seed: i
     }
 
 
+# With --document_masking the synthetic windows hold documents of log-normal lengths (median
+# DOC_MEDIAN tokens, log standard deviation DOC_SIGMA, a fixed seed), each ending with EOS, as a
+# corpus's documents fall into windows: so the step timed masks what a user's run masks.
+DOC_MEDIAN, DOC_SIGMA = 600, 1.0
+
+
+def with_documents(batch: dict, eos_id: int, per_window: int, seed: int = 0) -> dict:
+    """synthetic_batch's windows, read as one token stream, cut into documents ending with
+    `eos_id` (no EOS elsewhere), with the pipeline's segment_ids, positions and loss mask
+    (`per_window` documents a window kept apart)."""
+    rng = np.random.default_rng([seed, eos_id])
+    acc, rows, seq_len = batch["inputs"].shape
+    windows = np.concatenate([batch["inputs"], batch["targets"][..., -1:]], axis=-1)
+    stream = windows.reshape(-1).copy()
+    stream[stream == eos_id] = 0 if eos_id else 1
+    lengths = rng.lognormal(math.log(DOC_MEDIAN), DOC_SIGMA, size=len(stream))
+    ends = np.cumsum(np.maximum(1, np.round(lengths)).astype(np.int64)) - 1
+    stream[ends[ends < len(stream)]] = eos_id
+    windows = stream.reshape(-1, seq_len + 1)
+    segment_ids, positions, trained = documents(windows[:, :-1], eos_id, per_window)
+    out = {"inputs": windows[:, :-1], "targets": windows[:, 1:], "loss_mask": trained,
+           "segment_ids": segment_ids, "positions": positions}  # fmt: skip
+    return {k: v.reshape(acc, rows, seq_len) for k, v in out.items()}
+
+
+def bench_eos_id(model_cfg: ModelConfig, data: DataConfig) -> int:
+    """The EOS id of the synthetic documents: --eos_id, else the model's first eos_token_id,
+    else 0."""
+    if data.eos_id is not None:
+        return data.eos_id
+    eos = model_cfg.eos_token_id
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    return eos if isinstance(eos, int) and 0 <= eos < model_cfg.vocab_size else 0
+
+
 def build_synthetic(
     model_cfg: ModelConfig,
     spec: ModelSpec,
@@ -115,10 +152,7 @@ def build_synthetic(
     pipeline does.
     """
     plan = plan_for(
-        model_cfg,
-        spec,
-        mesh,
-        zero_level=zero_level,
+        model_cfg, spec, mesh, zero_level=zero_level, documents_per_window=data.documents_per_window
     )
     built = train_step.build(model_cfg, spec, optim, plan, mesh=mesh, total_steps=10_000, seed=0)
     rows = batch_rows(mesh, data.batch_size)
@@ -129,6 +163,9 @@ def build_synthetic(
         data.seq_len,
         seed=jax.process_index(),
     )
+    if data.document_masking:
+        eos_id, per_window = bench_eos_id(model_cfg, data), data.documents_per_window
+        local = with_documents(local, eos_id, per_window, seed=jax.process_index())
     return built, to_global_arrays(local, built.batch_sharding)
 
 
@@ -224,6 +261,9 @@ def run_bench(
         "fp8_scaling": spec.fp8_scaling if spec.linear_dtype else None,
         "scan_layers": spec.scan_layers,
         "attention": spec.attention,
+        "attention_used": built.plan.attention,  # what ran: auto resolved, documents' choice
+        "document_masking": data.document_masking,
+        "documents_per_window": built.plan.documents_per_window,
         "deterministic": spec.deterministic,
         "recompute": list(spec.recompute.names()) + (["block"] if spec.recompute.block else []),
         "kernels": spec.kernels,

@@ -9,6 +9,7 @@ import dataclasses
 import os
 
 from jaxllmq import dtypes
+from jaxllmq.data.pack import check_packed_for
 from jaxllmq.data.shards import expand_files
 from jaxllmq.kernels import parse_kernels
 from jaxllmq.model.architecture import PRESETS, ModelConfig
@@ -257,6 +258,8 @@ class DataConfig(Settings):
                 f"data with `python -m jaxllmq.data.prepare` (it writes {EOS_FILE} beside the "
                 "shards)"
             )
+        check_packed_for(self.train_files, self.seq_len, "--train_file")
+        check_packed_for(self.eval_files, self.seq_len, "--eval_file")
 
     def check_seq_len(self, model_cfg: ModelConfig, model: str) -> None:
         """Refuse a --seq_len beyond the model's max_position_embeddings unless allowed."""

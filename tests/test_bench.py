@@ -4,6 +4,7 @@ import dataclasses
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jaxllmq import bench
@@ -67,3 +68,41 @@ def test_a_bad_flag_value_ends_in_one_line_naming_it(flag, message):
     assert run.returncode == 1
     assert run.stderr.strip().splitlines()[-1].startswith(message)
     assert "Traceback" not in run.stderr
+
+
+def test_synthetic_documents_have_a_realistic_length_mix():
+    cfg = dataclasses.replace(preset("tiny"), vocab_size=64)
+    batch = bench.with_documents(bench.synthetic_batch(cfg, 2, 4, 2047), eos_id=5, per_window=31)
+    assert {k: v.shape for k, v in batch.items()} == dict.fromkeys(
+        ["inputs", "targets", "loss_mask", "segment_ids", "positions"], (2, 4, 2047)
+    )
+    inputs, targets = batch["inputs"].reshape(8, -1), batch["targets"].reshape(8, -1)
+    tokens = np.concatenate([inputs, targets[:, -1:]], axis=1).ravel()  # the stream cut
+    lengths = np.diff(np.flatnonzero(tokens == 5))  # whole documents: EOS to EOS
+    assert 400 < np.median(lengths) < 900 and lengths.min() < 200 < 2000 < lengths.max()
+    # The pipeline's documents: the target after an EOS untrained, positions from 0 after it.
+    np.testing.assert_array_equal(batch["loss_mask"], batch["inputs"] != 5)
+    after = np.flatnonzero(inputs[:, :-1].ravel() == 5)
+    assert (batch["positions"].reshape(8, -1)[:, 1:].ravel()[after] == 0).all()
+    same = bench.with_documents(bench.synthetic_batch(cfg, 2, 4, 2047), eos_id=5, per_window=31)
+    assert all(np.array_equal(batch[k], same[k]) for k in batch)  # a fixed seed
+
+
+def test_bench_with_document_masking_times_masked_documents(monkeypatch):
+    built = {}
+
+    def build_synthetic(*args, **kwargs):  # the real one, its step and batch kept
+        built["step"], built["batch"] = bench_build(*args, **kwargs)
+        return built["step"], built["batch"]
+
+    bench_build = bench.build_synthetic
+    monkeypatch.setattr(bench, "build_synthetic", build_synthetic)
+    cfg = dataclasses.replace(preset("tiny"), num_hidden_layers=1)
+    spec = ModelSpec(model="tiny", from_scratch=True, matmul_dtype="float32")
+    data = DataConfig(batch_size=1, seq_len=32, document_masking=True)
+    out = bench.run_bench(
+        cfg, spec, OptimConfig(), data, MeshConfig(gpus=0), bench.BenchConfig(bench_steps=1)
+    )
+    assert out["document_masking"] and out["attention_used"] == "xla"
+    assert built["step"].plan.documents_per_window == out["documents_per_window"] == 16
+    assert {"segment_ids", "positions"} <= set(built["batch"])

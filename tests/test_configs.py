@@ -3,6 +3,7 @@ and its model and data paths are the only things a user has to supply."""
 
 import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import pytest
 from hf_models import tiny_qwen2
 
 from jaxllmq.data.shards import write_shard
+from jaxllmq.tokenizer_files import write_eos_id
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.flags")))
@@ -22,13 +24,16 @@ from jaxllmq.settings import TrainConfig
 flags.define(TrainConfig)
 flags.parse_argv(sys.argv)
 cfg = flags.build(TrainConfig)
-print(cfg.model.model, cfg.steps, cfg.epochs)
+print(cfg.model.model, cfg.steps, cfg.epochs, cfg.data.document_masking)
 """
+# Configs that train on documents masked apart (each attends to itself only).
+DOCUMENT_MASKING = ("llama-3.2-1b-pretrain.flags", "qwen2.5-0.5b-finetune.flags")
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_flagfile_parses_and_validates(path, tmp_path):
     write_shard(tmp_path / "t.bin", np.arange(4096, dtype=np.int32) % 200, vocab_size=256)
+    write_eos_id(str(tmp_path), 0)  # as prepare writes it beside the shards
     data = [f"--train_file={tmp_path}/t.bin", f"--eval_file={tmp_path}/t.bin"]
     # A fine-tuning flagfile names an HF directory the user supplies: a tiny one stands in.
     with open(path) as f:
@@ -45,6 +50,28 @@ def test_flagfile_parses_and_validates(path, tmp_path):
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     assert out.returncode == 0, out.stderr[-2000:]
+    masking = out.stdout.split()[-1] == "True"
+    assert masking == (os.path.basename(path) in DOCUMENT_MASKING)
+
+
+def test_the_finetune_recipe_packs_for_the_configs_seq_len():
+    """The fine-tuning config's data recipe (its header and the README's tutorial) packs the
+    examples for the --seq_len it trains with (a run with another is refused)."""
+    with open(os.path.join(ROOT, "configs", "qwen2.5-0.5b-finetune.flags")) as f:
+        config = f.read()
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    (seq_len,) = re.findall(r"^--seq_len=(\d+)$", config, flags=re.M)
+    header = config.replace("\\\n#", " ")  # the recipe's continued line joined
+    recipes = [
+        line
+        for text in (header, readme)
+        for line in text.splitlines()
+        if "jaxllmq.data.prepare" in line and "Qwen2.5-0.5B" in line
+    ]
+    assert len(recipes) == 2
+    for recipe in recipes:
+        assert " --pack " in f"{recipe} " and f" --seq_len={seq_len} " in f"{recipe} ", recipe
 
 
 ATTENTION = """

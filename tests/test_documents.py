@@ -16,6 +16,7 @@ from tiny_tokenizer import write_tiny_tokenizer
 
 from jaxllmq import train_step
 from jaxllmq.cli.prepare import main
+from jaxllmq.data import pipeline
 from jaxllmq.data.pipeline import TokenBatches, documents
 from jaxllmq.data.shards import write_shard
 from jaxllmq.model.architecture import preset
@@ -114,6 +115,7 @@ def _close(a, b):
 
 
 def test_the_pipelines_documents(capsys):
+    pipeline._joined_warned.clear()  # the warning is once a process
     inputs = np.array([[5, 3, 6, 7, 3, 3, 8], [9, 9, 9, 9, 9, 9, 9]], np.int32)
     segment_ids, positions, trained = documents(inputs, 3, per_window=4)
     np.testing.assert_array_equal(segment_ids, [[0, 0, 1, 1, 1, 2, 3], [0] * 7])
@@ -127,6 +129,10 @@ def test_the_pipelines_documents(capsys):
     np.testing.assert_array_equal(trained, [[1, 0, 1, 1, 0, 0, 0], [1] * 7])
     err = capsys.readouterr().err
     assert "a window holds 4 documents, more than --max_documents_per_window=2" in err
+    pipeline._joined_warned.clear()
+    # Joined documents with nothing to train (a packed window's padding): no warning.
+    documents(inputs, 3, per_window=2, loss_mask_NxT=segment_ids < 1)
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("scan_layers, recompute", [(True, None), (False, Recompute(block=True))])

@@ -46,7 +46,7 @@ Batch = dict[str, np.ndarray]
 
 
 def documents(
-    inputs_NxT: np.ndarray, eos_id: int, per_window: int
+    inputs_NxT: np.ndarray, eos_id: int, per_window: int, loss_mask_NxT: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(segment_ids, positions int32[N, T], trained bool[N, T]) of windows whose documents end
     with `eos_id`: each token's document within its row, its position in that document, and
@@ -54,7 +54,8 @@ def documents(
 
     A row holds at most `per_window` documents (attention's segments): the documents past the
     last are joined to it (its segment id) and not trained on, so what is trained is the same as
-    if each were alone; a warning says so once."""
+    if each were alone; a warning says so once, if any of their tokens were to be trained
+    (`loss_mask_NxT`, default all: packed windows' padding is not)."""
     eos = inputs_NxT == eos_id
     starts = np.zeros_like(eos)
     starts[:, 1:] = eos[:, :-1]  # a document starts after each EOS
@@ -62,7 +63,8 @@ def documents(
     t = np.arange(inputs_NxT.shape[1], dtype=np.int32)
     first = np.maximum.accumulate(np.where(starts, t, 0), axis=1)
     joined = segment_ids >= per_window
-    if joined.any() and not _joined_warned.is_set():
+    lost = joined & ~eos if loss_mask_NxT is None else joined & ~eos & loss_mask_NxT
+    if lost.any() and not _joined_warned.is_set():
         _joined_warned.set()
         print(
             f"warning: a window holds {int(segment_ids.max()) + 1} documents, more than "
@@ -167,7 +169,7 @@ class _StepLoader:
         batch = {"inputs": inputs, "targets": targets, "loss_mask": loss_mask}
         if self.eos_id is not None:
             segment_ids, positions, trained = documents(
-                inputs, self.eos_id, self.documents_per_window
+                inputs, self.eos_id, self.documents_per_window, loss_mask
             )
             batch.update(
                 segment_ids=segment_ids, positions=positions, loss_mask=loss_mask & trained

@@ -5,7 +5,8 @@
     python -m jaxllmq.data.prepare --quickstart --out_dir=data/quickstart
 
 Writes train-NNN.bin shards and eval.bin into --out_dir, plus a copy of the tokenizer files (the
-trainer copies them into exported models) and eos.json, the EOS id (--document_masking reads it). Each document is tokenized and EOS is appended. A
+trainer copies them into exported models) and eos.json, the EOS id (--document_masking reads it);
+with --pack, pack.json (jaxllmq/data/pack.py). Each document is tokenized and EOS is appended. A
 {"prompt": ..., "response": ...} record becomes prompt + response + EOS, masked so that only the
 response and its EOS are trained on. Worker processes tokenize chunks of documents and the
 results are written in input order, so the output depends only on the inputs and the flags.
@@ -31,8 +32,15 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from jaxllmq.data.pack import (
+    PackConfig,
+    Packer,
+    max_examples_per_window,
+    whole_windows,
+    write_pack_record,
+)
 from jaxllmq.data.shards import ShardWriter, expand_files
-from jaxllmq.setting import SettingError, Settings, setting
+from jaxllmq.setting import SettingError, Settings, section, setting
 from jaxllmq.tokenizer_files import copy_tokenizer_files, write_eos_id
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -105,6 +113,7 @@ class PrepareConfig(Settings):
     )
     quickstart_mb: float = setting(32.0, "Quickstart corpus cap, MB of text.")
     vocab_size: int = setting(4096, "Quickstart tokenizer vocab, EOS included.", lower=1)
+    packing: PackConfig = section(PackConfig)
 
     @property
     def tokens_per_shard(self) -> int:
@@ -463,28 +472,36 @@ def run(args: PrepareConfig) -> dict:
         fields = (args.text_field, args.prompt_field, args.response_field)
         docs = read_documents(paths, fields, args.txt_documents)
     write_eos_id(args.out_dir, eos_id)
+    write_pack_record(args.out_dir, args.packing.seq_len)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     progress = Progress()  # its clock times tokenizing alone: the throughput figure
-    with Split(args.out_dir, vocab_size, args.tokens_per_shard, args.eval_fraction,
+    chunks = encode_in_order(docs, tokenizer.to_str(), eos_id, args.add_special_tokens,
+                             args.workers)  # fmt: skip
+    shard_tokens, pack = args.tokens_per_shard, args.packing
+    if pack.pack:  # whole windows of whole examples go to the train shards and eval.bin
+        packer = Packer(pack.seq_len + 1, eos_id, pack.pack_overlong, max_examples_per_window(pack))
+        chunks, shard_tokens = packer.pack(chunks), whole_windows(shard_tokens, packer.window)
+    with Split(args.out_dir, vocab_size, shard_tokens, args.eval_fraction,
                args.eval_tokens) as split:  # fmt: skip
-        for tokens, lengths, mask in encode_in_order(
-            docs, tokenizer.to_str(), eos_id, args.add_special_tokens, args.workers
-        ):
+        for tokens, lengths, mask in chunks:
             split.add(tokens, lengths, mask)
             progress.update(split.documents, split.tokens)
     rate = progress.update(split.documents, split.tokens, final=True)
     train_tokens = split.tokens - split.eval_written
+    docs_, masked = ("windows", "prompt and pad") if pack.pack else ("documents", "prompt")
     print(
         f"wrote {split.shards_written} train shard(s) ({train_tokens:,} tokens, "
-        f"{split.documents - split.eval_documents:,} documents) and "
-        + (f"eval.bin ({split.eval_written:,} tokens, {split.eval_documents:,} documents)"
+        f"{split.documents - split.eval_documents:,} {docs_}) and "
+        + (f"eval.bin ({split.eval_written:,} tokens, {split.eval_documents:,} {docs_})"
            if split.eval_written else "no eval.bin")
-        + f" to {args.out_dir}; vocab {vocab_size}, EOS id {eos_id}, {split.masked_out:,} prompt "
+        + f" to {args.out_dir}; vocab {vocab_size}, EOS id {eos_id}, {split.masked_out:,} {masked} "
         f"tokens masked out; {time.perf_counter() - start:.1f} s, tokenizing {rate:,.0f} tokens/s"
     )  # fmt: skip
+    if pack.pack:
+        print(packer.summary())
     return {"train_tokens": train_tokens, "eval_tokens": split.eval_written,
             "shards": split.shards_written, "vocab_size": vocab_size, "eos_id": eos_id,
-            "tokens_per_s": rate}  # fmt: skip
+            "tokens_per_s": rate, **({"pack": packer.stats()} if pack.pack else {})}  # fmt: skip
 
 
 if __name__ == "__main__":
