@@ -7,7 +7,8 @@
 Writes train-NNN.bin shards and eval.bin into --out_dir, plus a copy of the tokenizer files (the
 trainer copies them into exported models) and eos.json, the EOS id (--document_masking reads it). Each document is tokenized and EOS is appended. A
 {"prompt": ..., "response": ...} record becomes prompt + response + EOS, masked so that only the
-response and its EOS are trained on. Worker processes tokenize chunks of documents and the
+response and its EOS are trained on; a conversation (--messages_field) is rendered with the chat
+template and only its assistant turns are trained on (jaxllmq/data/chat.py). Worker processes tokenize chunks of documents and the
 results are written in input order, so the output depends only on the inputs and the flags.
 
 --quickstart needs no data and no network: its corpus is this Python's own standard library
@@ -31,15 +32,16 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from jaxllmq.data import chat
 from jaxllmq.data.shards import ShardWriter, expand_files
-from jaxllmq.setting import SettingError, Settings, setting
-from jaxllmq.tokenizer_files import copy_tokenizer_files, write_eos_id
+from jaxllmq.setting import SettingError, Settings, section, setting
+from jaxllmq.tokenizer_files import copy_tokenizer_files, read_json, write_eos_id
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 QUICKSTART_EOS = "<|endoftext|>"
 CHUNK_CHARS = 1 << 20  # text per worker task: big enough to amortize the hand-off
 
-Document = str | tuple[str, str]  # text, or (prompt, response)
+Document = str | tuple[str, str] | list  # text, (prompt, response), or a conversation
 
 
 class PrepareError(ValueError):
@@ -67,6 +69,7 @@ class PrepareConfig(Settings):
         "(and its EOS) is trained on.",
     )
     response_field: str = setting("response", "See --prompt_field.")
+    chat: chat.ChatConfig = section(chat.ChatConfig)
     txt_documents: str = setting(
         "file",
         "One .txt document is: the whole file, each blank-line-separated paragraph, or each "
@@ -116,10 +119,9 @@ class PrepareConfig(Settings):
     def check(self) -> None:
         if self.out_dir is None:
             raise SettingError("--out_dir is required: where the shards go")
-        if self.quickstart and (self.input or self.tokenizer):
-            raise SettingError(
-                "--quickstart makes its own corpus and tokenizer: drop --input and --tokenizer"
-            )
+        if self.quickstart and (self.input or self.tokenizer or self.chat.messages_field):
+            raise SettingError("--quickstart makes its own corpus and tokenizer: drop --input, "
+                               "--tokenizer and --messages_field")  # fmt: skip
         if not self.quickstart and not (self.input and self.tokenizer):
             raise SettingError("give --input and --tokenizer, or --quickstart")
         if self.eval_fraction >= 1:
@@ -135,8 +137,13 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
     return paths
 
 
-def _document(record: dict, where: str, fields: tuple[str, str, str]) -> Document | None:
-    text, prompt, response = fields
+def _document(record: dict, where: str, fields: tuple) -> Document | None:
+    text, prompt, response, messages = fields
+    if messages is not None:  # a conversation: chat.py checks its messages
+        if messages not in record:
+            raise PrepareError(f"{where}: record has no {messages!r} field (it has "
+                               f"{sorted(record)[:8]}); set --messages_field")  # fmt: skip
+        return record[messages]
     if prompt in record and response in record:
         doc = (record[prompt], record[response])
     elif text in record:
@@ -151,7 +158,7 @@ def _document(record: dict, where: str, fields: tuple[str, str, str]) -> Documen
     return doc if doc else None  # an empty text is skipped: it would be a lone EOS
 
 
-def read_documents(paths: list[str], fields: tuple[str, str, str], txt: str) -> Iterator[Document]:
+def read_documents(paths: list[str], fields: tuple, txt: str) -> Iterator[Document]:
     """Documents of .txt (per --txt_documents), .jsonl and .parquet files, in order."""
     for path in paths:
         if path.endswith(".txt"):
@@ -173,15 +180,16 @@ def read_documents(paths: list[str], fields: tuple[str, str, str], txt: str) -> 
             yield from _parquet_documents(path, fields)
 
 
-def _parquet_documents(path: str, fields: tuple[str, str, str]) -> Iterator[Document]:
+def _parquet_documents(path: str, fields: tuple) -> Iterator[Document]:
     import pyarrow.parquet as pq  # only parquet inputs need pyarrow
 
     file = pq.ParquetFile(path)
     names = set(file.schema_arrow.names)
-    text, prompt, response = fields
-    columns = [prompt, response] if {prompt, response} <= names else [text]
+    text, prompt, response, messages = fields
+    columns = [prompt, response] if {prompt, response} <= names else [messages or text]
     if not set(columns) <= names:
-        raise PrepareError(f"{path}: no column {text!r} (it has {sorted(names)}); set --text_field")
+        flag = "--messages_field" if messages else "--text_field"
+        raise PrepareError(f"{path}: no column {columns[0]!r} (it has {sorted(names)}); set {flag}")
     row = 0
     for batch in file.iter_batches(columns=columns):
         for record in batch.to_pylist():
@@ -204,23 +212,16 @@ def find_tokenizer(path: str) -> tuple[str, str]:
     return path, os.path.dirname(os.path.abspath(path))
 
 
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def resolve_eos(tokenizer: Tokenizer, config_dir: str, eos_token: str | None) -> int:
     """EOS id from --eos_token, else tokenizer_config.json's eos_token, else config.json's."""
     source = "--eos_token"
     if eos_token is None:
-        eos_token = _read_json(os.path.join(config_dir, "tokenizer_config.json")).get("eos_token")
+        eos_token = read_json(os.path.join(config_dir, "tokenizer_config.json")).get("eos_token")
         if isinstance(eos_token, dict):  # older configs: {"content": "</s>", ...}
             eos_token = eos_token.get("content")
         source = f"eos_token in {config_dir}/tokenizer_config.json"
     if eos_token is None:
-        eos_id = _read_json(os.path.join(config_dir, "config.json")).get("eos_token_id")
+        eos_id = read_json(os.path.join(config_dir, "config.json")).get("eos_token_id")
         eos_id = eos_id[0] if isinstance(eos_id, list) and eos_id else eos_id
         if not isinstance(eos_id, int):
             raise PrepareError(
@@ -238,14 +239,20 @@ def resolve_eos(tokenizer: Tokenizer, config_dir: str, eos_token: str | None) ->
 _worker: dict = {}
 
 
-def _init_worker(tokenizer_json: str, eos_id: int, add_special_tokens: bool, pool: bool) -> None:
+def _init_worker(tokenizer_json: str, eos_id: int, add_special_tokens: bool, pool: bool,
+                 chat_spec: chat.ChatSpec | None) -> None:  # fmt: skip
     if pool:  # one process per core: the tokenizer's own threads would only oversubscribe
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker.update(tok=Tokenizer.from_str(tokenizer_json), eos=eos_id, special=add_special_tokens)
+    tok = Tokenizer.from_str(tokenizer_json)
+    encoder = chat.ChatEncoder(chat_spec, tok) if chat_spec else None
+    _worker.update(tok=tok, eos=eos_id, special=add_special_tokens, chat=encoder)
 
 
-def _encode_chunk(docs: list[Document]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Tokens of all docs (EOS appended), each doc's length, and a mask if any doc is a pair."""
+def _encode_chunk(docs: list[Document]) -> tuple:
+    """Tokens of all docs (EOS appended), each doc's length, a mask if any doc is a pair or a
+    conversation, and the conversations skipped, by reason."""
+    if _worker["chat"] is not None:
+        return _worker["chat"].encode_chunk(docs)
     tok, eos, special = _worker["tok"], _worker["eos"], _worker["special"]
     pairs = [d for d in docs if isinstance(d, tuple)]
     texts = tok.encode_batch([d for d in docs if isinstance(d, str)], add_special_tokens=special)
@@ -264,14 +271,15 @@ def _encode_chunk(docs: list[Document]) -> tuple[np.ndarray, np.ndarray, np.ndar
         parts.append(np.asarray(ids, dtype=np.int32))
         masks.append(np.arange(len(ids)) >= trained)
     lengths = np.array([len(p) for p in parts], dtype=np.int64)
-    return np.concatenate(parts), lengths, np.concatenate(masks) if pairs else None
+    return np.concatenate(parts), lengths, np.concatenate(masks) if pairs else None, {}
 
 
 def _chunks(docs: Iterable[Document]) -> Iterator[list[Document]]:
     chunk, chars = [], 0
     for doc in docs:
         chunk.append(doc)
-        chars += len(doc) if isinstance(doc, str) else len(doc[0]) + len(doc[1])
+        chars += (len(doc) if isinstance(doc, str) else chat.characters(doc)
+                  if isinstance(doc, list) else len(doc[0]) + len(doc[1]))  # fmt: skip
         if chars >= CHUNK_CHARS:
             yield chunk
             chunk, chars = [], 0
@@ -280,9 +288,10 @@ def _chunks(docs: Iterable[Document]) -> Iterator[list[Document]]:
 
 
 def encode_in_order(docs: Iterable[Document], tokenizer_json: str, eos_id: int,
-                    add_special_tokens: bool, workers: int) -> Iterator[tuple]:  # fmt: skip
+                    add_special_tokens: bool, workers: int,
+                    chat_spec: chat.ChatSpec | None = None) -> Iterator[tuple]:  # fmt: skip
     """Tokenize chunks of documents on `workers` processes; yields results in input order."""
-    init = (tokenizer_json, eos_id, add_special_tokens, workers > 1)
+    init = (tokenizer_json, eos_id, add_special_tokens, workers > 1, chat_spec)
     if workers == 1:  # in this process (the tokenizer still uses its threads)
         _init_worker(*init)
         yield from map(_encode_chunk, _chunks(docs))
@@ -453,26 +462,36 @@ def run(args: PrepareConfig) -> dict:
         tokenizer = train_quickstart_tokenizer(texts, args.vocab_size, args.out_dir)
         eos_id = resolve_eos(tokenizer, args.out_dir, args.eos_token)
         docs: Iterable[Document] = texts
+        chat_spec = None
     else:  # check inputs, tokenizer and EOS before touching --out_dir
         paths = expand_inputs(args.input)
         tokenizer_json, config_dir = find_tokenizer(args.tokenizer)
         tokenizer = Tokenizer.from_file(tokenizer_json)
         eos_id = resolve_eos(tokenizer, config_dir, args.eos_token)
+        c = args.chat
+        chat_spec = (chat.load_spec(config_dir, tokenizer, eos_id, c.chat_template, c.train_on)
+                     if c.messages_field else None)  # fmt: skip
         _prepare_out_dir(args.out_dir, args.overwrite)
         copy_tokenizer_files(config_dir, args.out_dir, tokenizer_json)
-        fields = (args.text_field, args.prompt_field, args.response_field)
+        if chat_spec is not None and c.chat_template is not None:  # the template travels along
+            pathlib.Path(args.out_dir, "chat_template.jinja").write_text(chat_spec.template)
+        fields = (args.text_field, args.prompt_field, args.response_field, c.messages_field)
         docs = read_documents(paths, fields, args.txt_documents)
     write_eos_id(args.out_dir, eos_id)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     progress = Progress()  # its clock times tokenizing alone: the throughput figure
+    skipped: collections.Counter = collections.Counter()
     with Split(args.out_dir, vocab_size, args.tokens_per_shard, args.eval_fraction,
                args.eval_tokens) as split:  # fmt: skip
-        for tokens, lengths, mask in encode_in_order(
-            docs, tokenizer.to_str(), eos_id, args.add_special_tokens, args.workers
+        for tokens, lengths, mask, skips in encode_in_order(
+            docs, tokenizer.to_str(), eos_id, args.add_special_tokens, args.workers, chat_spec
         ):
-            split.add(tokens, lengths, mask)
+            skipped.update(skips)
+            if len(lengths):
+                split.add(tokens, lengths, mask)
             progress.update(split.documents, split.tokens)
     rate = progress.update(split.documents, split.tokens, final=True)
+    chat.report_skipped(skipped)
     train_tokens = split.tokens - split.eval_written
     print(
         f"wrote {split.shards_written} train shard(s) ({train_tokens:,} tokens, "
