@@ -419,6 +419,11 @@ class TrainConfig(Settings):
         parse=parse_prompts,
     )
     sample_max_new_tokens: int = setting(32, "Tokens generated per sample prompt.", lower=1)
+    sample_chat: bool = setting(
+        False,
+        "Samples reply to --sample_prompts as user messages, rendered with the tokenizer's chat "
+        "template (as generate --chat).",
+    )
     out_dir: str | None = setting(
         None, "Where the trained model is exported (HF format); %n = --name.", run_path=True
     )

@@ -4,6 +4,8 @@ transformers' apply_chat_template ids, and masks that hold the assistant turns a
 
 import json
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -291,3 +293,45 @@ def test_a_sandbox_escape_at_render_time_is_refused(tmp_path):
 def _any_tokenizer(tmp_path) -> str:
     write_chat_tokenizer(tmp_path, "gemma")
     return (tmp_path / "tokenizer.json").read_text()
+
+
+def test_a_chat_fine_tune_learns_the_replies_and_generate_chat_stops_at_end_of_turn(tmp_path):
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    write_chat_tokenizer(tok_dir, "gemma")  # EOS <eos>; a reply ends at <end_of_turn>
+    questions = WORDS[:4]
+    reply = {w: f"{WORDS[i + 4]} {WORDS[i + 8]}." for i, w in enumerate(questions)}
+    asked = np.random.default_rng(0).choice(questions, 300)
+    rows = [[{"role": "user", "content": f"{w}?"}, {"role": "assistant", "content": reply[w]}]
+            for w in asked]  # fmt: skip
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    data = tmp_path / "data"
+    assert prepare_here(f"--input={tmp_path}/chat.jsonl", f"--tokenizer={tok_dir}",
+                        f"--out_dir={data}", "--messages_field=messages", "--eval_fraction=0.1",
+                        "--workers=1") is None  # fmt: skip
+    model = tmp_path / "small"  # a config.json for --from_scratch: smaller than the tiny preset
+    transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=256, architectures=["LlamaForCausalLM"]
+                             ).save_pretrained(model)  # fmt: skip
+    flags = [f"--model={model}", "--from_scratch", f"--train_file={data}/train-*.bin",
+             f"--eval_file={data}/eval.bin", "--document_masking", "--seq_len=64", "--gpus=1",
+             "--batch_size=8", "--matmul_dtype=float32", "--steps=150", "--lr=1e-2", "--warmup=5",
+             "--eval_every_n_steps=1000", "--sample_every_n_steps=150", "--sample_chat",
+             f"--sample_prompts={questions[2]}?", "--sample_max_new_tokens=8",
+             f"--out_dir={tmp_path}/model", f"--log_file={tmp_path}/log.jsonl"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "jaxllmq.main", *flags], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["log"] == "step"]
+    # Only the replies are trained on: their tokens are a fraction of each window.
+    assert all(r["trained_tokens"] < r["tokens"] / 2 for r in steps)
+    assert steps[-1]["loss"] < 0.1 * steps[0]["loss"]
+    [sample] = [r for r in records if r["log"] == "sample"]
+    assert sample["text"] == reply[questions[2]]  # the reply, cut at <end_of_turn>
+    proc = subprocess.run([sys.executable, "-m", "jaxllmq.generate", f"--model={tmp_path}/model",
+                           "--chat", f"--prompt={questions[2]}?", "--temperature=0"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == reply[questions[2]] + "\n"

@@ -238,12 +238,12 @@ class ChatSpec:
     where: str
     variables: dict[str, str]  # the special tokens
     end_ids: tuple[int, ...]
-    eos_id: int
+    eos_id: int | None = None  # the document boundary appended by encode(); None: prompts only
     train_on: str = "assistant"
 
 
-def load_spec(directory: str, tok: Tokenizer, eos_id: int, override: str | None = None,
-              train_on: str = "assistant") -> ChatSpec:  # fmt: skip
+def load_spec(directory: str, tok: Tokenizer, eos_id: int | None = None,
+              override: str | None = None, train_on: str = "assistant") -> ChatSpec:  # fmt: skip
     """The chat template of the tokenizer in `directory` (or `override`), checked."""
     source, where = find_template(directory, override)
     compile_template(source, where)
