@@ -11,6 +11,7 @@ import pytest
 from hf_models import tiny_qwen2
 
 from jaxllmq.data.shards import write_shard
+from jaxllmq.tokenizer_files import write_eos_id
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.flags")))
@@ -29,6 +30,7 @@ print(cfg.model.model, cfg.steps, cfg.epochs)
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_flagfile_parses_and_validates(path, tmp_path):
     write_shard(tmp_path / "t.bin", np.arange(4096, dtype=np.int32) % 200, vocab_size=256)
+    write_eos_id(str(tmp_path), 0)  # as prepare writes it (--document_masking reads it)
     data = [f"--train_file={tmp_path}/t.bin", f"--eval_file={tmp_path}/t.bin"]
     # A fine-tuning flagfile names an HF directory the user supplies: a tiny one stands in.
     with open(path) as f:
