@@ -16,6 +16,7 @@ from test_data_prepare import prepare_here
 from tiny_tokenizer import write_tiny_tokenizer
 from tokenizers import Tokenizer, processors
 
+from jaxllmq import generate as gen
 from jaxllmq.data import chat
 from jaxllmq.data.shards import open_shard
 
@@ -242,7 +243,7 @@ def test_prepare_writes_conversations_and_counts_the_skipped(tmp_path, capsys):
     out = tmp_path / "out"
     error = prepare_here(f"--input={tmp_path}/a.jsonl,{tmp_path}/b.parquet", f"--tokenizer={path}",
                          f"--out_dir={out}", "--messages_field=messages", "--eval_fraction=0",
-                         "--workers=1")  # fmt: skip
+                         "--workers=2")  # fmt: skip
     assert error is None
     printed = capsys.readouterr().out
     assert "skipped 2 conversation(s): no assistant message\n" in printed
@@ -254,6 +255,51 @@ def test_prepare_writes_conversations_and_counts_the_skipped(tmp_path, capsys):
     np.testing.assert_array_equal(shard.mask(0, shard.num_tokens), np.concatenate(
         [mask for _, mask in expected]))  # fmt: skip
     assert json.loads((out / "eos.json").read_text())["eos_id"] == tok.token_to_id("<|im_end|>")
+
+
+def test_a_template_whose_beginnings_render_differently_is_skipped_unless_training_on_all(tmp_path):
+    # It writes the message count first, so no render of the first turns is a prefix of the whole.
+    tok = Tokenizer.from_str(_any_tokenizer(tmp_path))
+    source = (
+        "{{ messages | length }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    )
+    spec = chat.ChatSpec(source, "t.jinja", {}, (), eos_id=0)
+    with pytest.raises(chat.Skip, match="assistant turns cannot be located"):
+        chat.ChatEncoder(spec, tok).encode(CONVERSATIONS["single"])
+    spec = chat.ChatSpec(source, "t.jinja", {}, (), eos_id=0, train_on="all")
+    ids, mask = chat.ChatEncoder(spec, tok).encode(CONVERSATIONS["single"])
+    assert ids[-1] == 0 and mask[:-1].all() and not mask[-1]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ([], "no chat template in .* or give prepare --chat_template=FILE"),
+        (["--chat_template=missing.jinja"], "--chat_template: 'missing.jinja' does not exist"),
+        (["--chat_template={bad}"], "chat template .*bad.jinja: line 1: "),
+        (
+            ["--messages_field=turns", "--chat_template={good}"],
+            "a.jsonl:1: record has no 'turns' field .* --messages_field",
+        ),
+        (["--quickstart"], "--quickstart makes its own corpus .* --messages_field"),
+    ],
+)
+def test_bad_chat_input_is_one_line(tmp_path, flags, message):
+    write_tiny_tokenizer(tmp_path, WORDS, "</s>")  # no chat template
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
+    (tmp_path / "good.jinja").write_text(QWEN25)
+    (tmp_path / "a.jsonl").write_text(json.dumps({"messages": CONVERSATIONS["single"]}) + "\n")
+    flags = [f.format(bad=tmp_path / "bad.jinja", good=tmp_path / "good.jinja") for f in flags]
+    error = prepare_here(f"--input={tmp_path}/a.jsonl", f"--tokenizer={tmp_path}",
+                         f"--out_dir={tmp_path / 'out'}", "--messages_field=messages", *flags)  # fmt: skip
+    assert error.startswith("error:") and "\n" not in error
+    assert re.search(message, error), error
+
+
+def test_generate_chat_needs_a_template(tmp_path):
+    tok = write_tiny_tokenizer(tmp_path, WORDS, "</s>")
+    with pytest.raises(gen.GenerateError, match="^no chat template in .*chat_template.jinja"):
+        gen.encode_prompt(tok, "alpha?", 300, chat_dir=str(tmp_path))
 
 
 HOSTILE = {

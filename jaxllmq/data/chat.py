@@ -197,7 +197,7 @@ def find_template(directory: str, override: str | None = None) -> tuple[str, str
     if not isinstance(template, str):
         raise ChatTemplateError(
             f"no chat template in {directory!r} (neither chat_template.jinja nor chat_template in "
-            f"tokenizer_config.json): pass --chat_template=FILE"
+            f"tokenizer_config.json): write it to {jinja_file}, or give prepare --chat_template=FILE"
         )
     return template, config
 
