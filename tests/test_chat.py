@@ -1,6 +1,7 @@
-"""Chat data: conversations rendered with Llama 3-, Qwen2.5- and Gemma-style chat templates give
-transformers' apply_chat_template ids, and masks that hold the assistant turns alone; prepare
---messages_field writes them; hostile templates are refused."""
+"""Chat data: conversations rendered with Llama 3-, Qwen2.5-, Qwen3- and Gemma-style chat templates
+give transformers' apply_chat_template ids, and masks that hold the assistant turns alone; prepare
+--messages_field writes them; hostile templates are refused; a chat fine-tune learns its replies
+and generate --chat stops at the end of a turn."""
 
 import json
 import re
@@ -80,6 +81,38 @@ QWEN25 = """{%- if messages[0].role == 'system' %}
 {%- endif %}
 """
 
+# As Qwen2.5 without the default system prompt, plus Qwen3's thinking: an assistant turn after the
+# last user message writes its reasoning (an empty <think> block if none) when it is the last
+# message or has reasoning, so a turn renders otherwise when last than inside the conversation.
+QWEN3 = """{%- set ns = namespace(last_query=-1) %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}
+        {%- set ns.last_query = loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.role == 'tool' %}
+        {{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|im_start|>assistant\n' }}
+        {%- set reasoning = message.reasoning_content | default('') %}
+        {%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}
+            {{- '<think>\n' + reasoning + '\n</think>\n\n' }}
+        {%- endif %}
+        {{- message.content | default('') }}
+        {%- for call in message.tool_calls | default([]) %}
+            {{- '\n<tool_call>\n' + call.function | tojson + '\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
 GEMMA = """{{- bos_token }}
 {%- if messages[0]['role'] == 'system' %}
     {%- set prefix = messages[0]['content'] + '\\n\\n' %}
@@ -109,6 +142,8 @@ FAMILIES = {
                ["<|end_of_text|>"]),
     "qwen2.5": (QWEN25, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>",
                 "<|im_end|>", "<|im_start|>assistant\n", ["<|endoftext|>"]),
+    "qwen3": (QWEN3, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>",
+              "<|im_end|>", "<|im_start|>assistant\n", ["<|endoftext|>"]),
     "gemma": (GEMMA, ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>",
               "<eos>", "<end_of_turn>", "<start_of_turn>model\n", ["<end_of_turn>"]),
 }  # fmt: skip
@@ -222,7 +257,8 @@ def test_ids_equal_transformers_and_masks_hold_the_assistant_turns(family, conve
     ids, mask = encoders["assistant"].encode(messages)
     trained = tok.decode([ids[i] for i in np.flatnonzero(mask)], skip_special_tokens=False)
     assert trained.count(FAMILIES[name][4]) == len(spans) and trained.endswith(FAMILIES[name][4])
-    assert "assistant" not in trained and "model\n" not in trained and "\n\n" not in trained
+    end, header = FAMILIES[name][4:6]
+    assert header not in trained and end + "\n" not in trained
     # A reply's prompt is what transformers gives with the generation prompt.
     prompt = messages[: max(i for i, m in enumerate(messages) if m["role"] == "user") + 1]
     assert encoders["assistant"].prompt_ids(prompt) == hf_tok.apply_chat_template(

@@ -12,6 +12,9 @@ of messages[:i + 1] ends, trimmed after its last end-of-turn token (the tokenize
 generation_config.json's eos_token_id: <|eot_id|>, <|im_end|>, <end_of_turn>); the characters
 between are mapped to the tokens that cover them. So a mask holds the assistant's content and its
 end-of-turn token, never its role header nor the newline some templates write after the turn.
+Where a turn renders differently as the last message than inside the whole conversation (Qwen3
+writes an empty <think> block into the last assistant turn only), it ends at its first
+end-of-turn token instead.
 
 A conversation is one document. If its last token is not the EOS id (the document boundary
 --document_masking splits at), EOS is appended, masked out of the loss: the model learns to stop at
@@ -299,20 +302,31 @@ class ChatEncoder:
             raise Skip("no assistant message")
         if self.spec.train_on == "last_assistant":
             turns = turns[-1:]
-        starts = np.array([a for a, _ in offsets])
-        ends = np.array([b for _, b in offsets])
+        starts, ends = np.array(offsets, dtype=np.int64).reshape(-1, 2).T
+        is_end = np.isin(np.asarray(ids), self.spec.end_ids)
         mask = np.zeros(len(ids), dtype=bool)
         for i in turns:
             begin = self.render(messages[:i], add_generation_prompt=True)
-            turn = self.render(messages[: i + 1], add_generation_prompt=False)
-            if not (text.startswith(begin) and text.startswith(turn)):
+            if not text.startswith(begin):
                 raise Skip(
-                    "the chat template renders the conversation's beginning differently from "
+                    "the chat template renders the conversation's first turns differently from "
                     "the whole, so its assistant turns cannot be located"
                 )
-            span = np.flatnonzero((ends > len(begin)) & (starts < len(turn)))
-            ending = [j for j in span if ids[j] in self.spec.end_ids]
-            mask[span[: span.tolist().index(ending[-1]) + 1] if ending else span] = True
+            turn = self.render(messages[: i + 1], add_generation_prompt=False)
+            span = np.flatnonzero(ends > len(begin))
+            if text.startswith(turn):  # the turn ends where its render does, at its last end id
+                span = span[starts[span] < len(turn)]
+                last = span[is_end[span]]
+                span = span[span <= last[-1]] if len(last) else span
+            else:  # it renders otherwise when last (Qwen3's empty <think>): to its first end id
+                first = span[is_end[span]]
+                if not len(first):
+                    raise Skip(
+                        "the chat template renders an assistant turn differently when it is the "
+                        "last one, and no end-of-turn id (eos_token_id) marks where it ends"
+                    )
+                span = span[span <= first[0]]
+            mask[span] = True
         return mask
 
     def encode_chunk(self, conversations: list[list[dict]]) -> tuple:

@@ -490,8 +490,8 @@ def run(args: PrepareConfig) -> dict:
             if len(lengths):
                 split.add(tokens, lengths, mask)
             progress.update(split.documents, split.tokens)
+        chat.report_skipped(skipped)  # before Split's check that anything was written
     rate = progress.update(split.documents, split.tokens, final=True)
-    chat.report_skipped(skipped)
     train_tokens = split.tokens - split.eval_written
     print(
         f"wrote {split.shards_written} train shard(s) ({train_tokens:,} tokens, "
