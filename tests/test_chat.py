@@ -381,6 +381,10 @@ def test_a_chat_fine_tune_learns_the_replies_and_generate_chat_stops_at_end_of_t
     tok_dir = tmp_path / "tok"
     tok_dir.mkdir()
     write_chat_tokenizer(tok_dir, "gemma")  # EOS <eos>; a reply ends at <end_of_turn>
+    # The template comes as a file: prepare copies it to the data, the export takes it along.
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "gemma.jinja").write_text(config.pop("chat_template"))
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(config))
     questions = WORDS[:4]
     reply = {w: f"{WORDS[i + 4]} {WORDS[i + 8]}." for i, w in enumerate(questions)}
     asked = np.random.default_rng(0).choice(questions, 300)
@@ -389,19 +393,20 @@ def test_a_chat_fine_tune_learns_the_replies_and_generate_chat_stops_at_end_of_t
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
     data = tmp_path / "data"
     assert prepare_here(f"--input={tmp_path}/chat.jsonl", f"--tokenizer={tok_dir}",
-                        f"--out_dir={data}", "--messages_field=messages", "--eval_fraction=0.1",
-                        "--workers=1") is None  # fmt: skip
+                        f"--out_dir={data}", "--messages_field=messages", "--eval_fraction=0",
+                        f"--chat_template={tmp_path}/gemma.jinja", "--workers=1") is None  # fmt: skip
+    assert (data / "chat_template.jinja").read_text() == GEMMA
     model = tmp_path / "small"  # a config.json for --from_scratch: smaller than the tiny preset
     transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=256, architectures=["LlamaForCausalLM"]
                              ).save_pretrained(model)  # fmt: skip
     flags = [f"--model={model}", "--from_scratch", f"--train_file={data}/train-*.bin",
-             f"--eval_file={data}/eval.bin", "--document_masking", "--seq_len=64", "--gpus=1",
-             "--batch_size=8", "--matmul_dtype=float32", "--steps=150", "--lr=1e-2", "--warmup=5",
-             "--eval_every_n_steps=1000", "--sample_every_n_steps=150", "--sample_chat",
-             f"--sample_prompts={questions[2]}?", "--sample_max_new_tokens=8",
-             f"--out_dir={tmp_path}/model", f"--log_file={tmp_path}/log.jsonl"]  # fmt: skip
+             "--document_masking", "--seq_len=64", "--gpus=1", "--batch_size=8",
+             "--matmul_dtype=float32", "--steps=150", "--lr=1e-2", "--warmup=5",
+             "--sample_every_n_steps=150", "--sample_chat", f"--sample_prompts={questions[2]}?",
+             "--sample_max_new_tokens=8", f"--out_dir={tmp_path}/model",
+             f"--log_file={tmp_path}/log.jsonl"]  # fmt: skip
     done = subprocess.run([sys.executable, "-m", "jaxllmq.main", *flags], capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
