@@ -461,3 +461,5 @@ class TrainConfig(Settings):
             )
         if self.sample_every_n_steps > 0 and not self.sample_prompts:
             raise SettingError("--sample_every_n_steps needs --sample_prompts (none given)")
+        if self.sample_chat and self.sample_every_n_steps == 0:
+            raise SettingError("--sample_chat needs --sample_every_n_steps (samples are off)")

@@ -19,7 +19,9 @@ from tokenizers import Tokenizer, processors
 
 from jaxllmq import generate as gen
 from jaxllmq.data import chat
-from jaxllmq.data.shards import open_shard
+from jaxllmq.data.shards import open_shard, write_shard
+from jaxllmq.setting import SettingError
+from jaxllmq.settings import DataConfig, ModelSpec, TrainConfig
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -336,6 +338,14 @@ def test_generate_chat_needs_a_template(tmp_path):
     tok = write_tiny_tokenizer(tmp_path, WORDS, "</s>")
     with pytest.raises(gen.GenerateError, match="^no chat template in .*chat_template.jinja"):
         gen.encode_prompt(tok, "alpha?", 300, chat_dir=str(tmp_path))
+
+
+def test_sample_chat_without_samples_is_refused(tmp_path):
+    write_shard(tmp_path / "t.bin", np.arange(64, dtype=np.int32), vocab_size=64)
+    data = DataConfig(train_files=(str(tmp_path / "t.bin"),))
+    with pytest.raises(SettingError, match="^--sample_chat needs --sample_every_n_steps"):
+        TrainConfig(model=ModelSpec(model="tiny", from_scratch=True), data=data, steps=1,
+                    sample_chat=True)  # fmt: skip
 
 
 HOSTILE = {
