@@ -275,7 +275,7 @@ def test_prepare_writes_conversations_and_counts_the_skipped(tmp_path, capsys):
     good = [CONVERSATIONS[c] for c in sorted(CONVERSATIONS)]
     no_reply = [{"role": "user", "content": "alpha?"}]
     bad_role = [{"content": "alpha"}]
-    rows = [*good, no_reply, bad_role, no_reply]
+    rows = [*good, no_reply, bad_role, no_reply, None, {"role": "user"}, "alpha"]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
     pq.write_table(pa.table({"messages": good}), tmp_path / "b.parquet")
     out = tmp_path / "out"
@@ -286,6 +286,7 @@ def test_prepare_writes_conversations_and_counts_the_skipped(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "skipped 2 conversation(s): no assistant message\n" in printed
     assert "skipped 1 conversation(s): a message is not an object with a string 'role'" in printed
+    assert "skipped 3 conversation(s): the messages are not a non-empty list" in printed
     encoder = chat.ChatEncoder(chat.load_spec(str(path), tok, tok.token_to_id("<|im_end|>")), tok)
     expected = [encoder.encode(m) for m in good + good]
     shard = open_shard(out / "train-000.bin")

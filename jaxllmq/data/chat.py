@@ -354,8 +354,10 @@ def _check_messages(messages) -> None:
             raise Skip("a message is not an object with a string 'role'")
 
 
-def characters(messages: list) -> int:
+def characters(messages) -> int:
     """Roughly how much text a conversation holds (for sizing work chunks)."""
+    if not isinstance(messages, list):
+        return 1
     return sum(len(str(m.get("content", ""))) if isinstance(m, dict) else 1 for m in messages)
 
 

@@ -143,7 +143,7 @@ def _document(record: dict, where: str, fields: tuple) -> Document | None:
         if messages not in record:
             raise PrepareError(f"{where}: record has no {messages!r} field (it has "
                                f"{sorted(record)[:8]}); set --messages_field")  # fmt: skip
-        return record[messages]
+        return record[messages] or []  # checked and counted (skipped) as it is encoded
     if prompt in record and response in record:
         doc = (record[prompt], record[response])
     elif text in record:
@@ -278,8 +278,8 @@ def _chunks(docs: Iterable[Document]) -> Iterator[list[Document]]:
     chunk, chars = [], 0
     for doc in docs:
         chunk.append(doc)
-        chars += (len(doc) if isinstance(doc, str) else chat.characters(doc)
-                  if isinstance(doc, list) else len(doc[0]) + len(doc[1]))  # fmt: skip
+        chars += (len(doc) if isinstance(doc, str) else len(doc[0]) + len(doc[1])
+                  if isinstance(doc, tuple) else chat.characters(doc))  # fmt: skip
         if chars >= CHUNK_CHARS:
             yield chunk
             chunk, chars = [], 0
