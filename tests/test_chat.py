@@ -150,6 +150,11 @@ FAMILIES = {
               "<eos>", "<end_of_turn>", "<start_of_turn>model\n", ["<end_of_turn>"]),
 }  # fmt: skip
 
+# The id each conversation ends with (its document boundary): the EOS, unless the template writes
+# it inside conversations.
+BOUNDARY = {"llama3": "<|end_of_text|>", "qwen2.5": "<|endoftext|>", "qwen3": "<|endoftext|>",
+            "gemma": "<eos>"}  # fmt: skip
+
 CALL = {"type": "function", "function": {"name": "lookup", "arguments": {"word": "café ☕"}}}
 CONVERSATIONS = {
     "single": [
@@ -242,8 +247,9 @@ def test_ids_equal_transformers_and_masks_hold_the_assistant_turns(family, conve
     text = hf_tok.apply_chat_template(messages, tokenize=False)
     spans = assistant_spans(name, hf_tok, text, hf_ids)
     assert len(spans) == sum(m["role"] == "assistant" for m in messages)
-    appended = [eos_id] if hf_ids[-1] != eos_id else []  # Llama 3 ends with its EOS
-    assert (name == "llama3") == (not appended)
+    boundary = tok.token_to_id(BOUNDARY[name])
+    assert all(e.spec.eos_id == boundary for e in encoders.values())
+    appended = [boundary]  # none of these templates ends a conversation with its boundary
     expected = {
         "assistant": np.any(spans, axis=0),
         "last_assistant": spans[-1],
@@ -255,6 +261,7 @@ def test_ids_equal_transformers_and_masks_hold_the_assistant_turns(family, conve
         np.testing.assert_array_equal(mask, np.r_[expected[train_on], [False] * len(appended)])
     if FAMILIES[name][2] is not None:  # BOS once, though the tokenizer's post-processor adds it
         assert ids.count(tok.token_to_id(FAMILIES[name][2])) == 1
+    assert ids.count(boundary) == 1  # one document for --document_masking
     # The mask holds each assistant text and its end-of-turn token, no header, no newline after.
     ids, mask = encoders["assistant"].encode(messages)
     trained = tok.decode([ids[i] for i in np.flatnonzero(mask)], skip_special_tokens=False)
@@ -293,7 +300,18 @@ def test_prepare_writes_conversations_and_counts_the_skipped(tmp_path, capsys):
     assert shard.tokens.tolist() == [t for ids, _ in expected for t in ids]
     np.testing.assert_array_equal(shard.mask(0, shard.num_tokens), np.concatenate(
         [mask for _, mask in expected]))  # fmt: skip
-    assert json.loads((out / "eos.json").read_text())["eos_id"] == tok.token_to_id("<|im_end|>")
+    # <|im_end|> ends every turn: <|endoftext|> ends each conversation, the document boundary.
+    boundary = tok.token_to_id("<|endoftext|>")
+    assert json.loads((out / "eos.json").read_text())["eos_id"] == boundary
+    assert "ends with <|endoftext|> (id" in printed
+    assert shard.tokens.tolist().count(boundary) == len(expected)
+    error = prepare_here(f"--input={tmp_path}/a.jsonl", f"--tokenizer={path}", "--overwrite",
+                         f"--out_dir={out}", "--messages_field=messages", "--eos_token=<|im_end|>")  # fmt: skip
+    assert error == (
+        "error: --eos_token=<|im_end|>: the chat template writes it inside conversations, so "
+        "with --document_masking it would split them; leave --eos_token out, or give a token "
+        "the template does not write"
+    )
 
 
 def test_a_template_whose_beginnings_render_differently_is_skipped_unless_training_on_all(tmp_path):

@@ -16,9 +16,12 @@ Where a turn renders differently as the last message than inside the whole conve
 writes an empty <think> block into the last assistant turn only), it ends at its first
 end-of-turn token instead.
 
-A conversation is one document. If its last token is not the EOS id (the document boundary
---document_masking splits at), EOS is appended, masked out of the loss: the model learns to stop at
-the template's end-of-turn token, and the EOS only separates conversations.
+A conversation is one document. Its boundary (the id --document_masking splits at, recorded in
+eos.json) is the EOS id, unless the template writes that inside conversations (Llama 3's
+<|eot_id|> and Qwen's <|im_end|> end every turn): then the first end-of-turn id it never writes
+there (<|end_of_text|>, <|endoftext|>), so that a conversation stays whole. If the conversation's
+last token is not that id, it is appended, masked out of the loss: the model learns to stop at the
+template's end-of-turn token, and the boundary only separates conversations.
 
 Templates are data: they run in Jinja's immutable sandbox, with no loader (no file access), and a
 template naming an underscore attribute (`__class__`, `__globals__`, ...) or including, importing or
@@ -245,13 +248,49 @@ class ChatSpec:
     train_on: str = "assistant"
 
 
+# A conversation rendered to see which tokens a template writes inside conversations.
+PROBE = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."},
+         {"role": "user", "content": "Bye."}, {"role": "assistant", "content": "Bye."}]  # fmt: skip
+
+
 def load_spec(directory: str, tok: Tokenizer, eos_id: int | None = None,
-              override: str | None = None, train_on: str = "assistant") -> ChatSpec:  # fmt: skip
-    """The chat template of the tokenizer in `directory` (or `override`), checked."""
+              override: str | None = None, train_on: str = "assistant",
+              eos_given: bool = False) -> ChatSpec:  # fmt: skip
+    """The chat template of the tokenizer in `directory` (or `override`), checked, and the id
+    that ends each conversation: `eos_id`, unless the template writes it inside conversations
+    (Llama 3's <|eot_id|> and Qwen's <|im_end|> end every turn), where --document_masking would
+    split a conversation into its turns; then the first of the end-of-turn ids it never writes
+    there (<|end_of_text|>, <|endoftext|>). An `eos_given` (--eos_token) written there is refused."""
     source, where = find_template(directory, override)
     compile_template(source, where)
-    return ChatSpec(source, where, special_tokens(directory), end_of_turn_ids(directory, tok),
+    spec = ChatSpec(source, where, special_tokens(directory), end_of_turn_ids(directory, tok),
                     eos_id, train_on)  # fmt: skip
+    if eos_id is None:
+        return spec
+    try:
+        text = ChatEncoder(spec, tok).render(PROBE, add_generation_prompt=False)
+    except Skip:  # a template that refuses the probe: nothing to learn from it
+        return spec
+    inside = set(tok.encode(text, add_special_tokens=False).ids[:-1])
+    if eos_id not in inside:
+        return spec
+    name = tok.id_to_token(eos_id)
+    if eos_given:
+        raise ChatTemplateError(
+            f"--eos_token={name}: the chat template writes it inside conversations, so with "
+            f"--document_masking it would split them; leave --eos_token out, or give a token "
+            f"the template does not write"
+        )
+    for other in spec.end_ids:
+        if other not in inside:
+            print(f"chat: the template writes EOS {name} inside conversations; each conversation "
+                  f"ends with {tok.id_to_token(other)} (id {other}) instead, its document "
+                  f"boundary")  # fmt: skip
+            return dataclasses.replace(spec, eos_id=other)
+    print(f"warning: the chat template writes EOS {name} inside conversations and no other "
+          f"end-of-turn id is known: --document_masking would split conversations there; "
+          f"give --eos_token naming a token it does not write")  # fmt: skip
+    return spec
 
 
 class ChatEncoder:

@@ -469,8 +469,10 @@ def run(args: PrepareConfig) -> dict:
         tokenizer = Tokenizer.from_file(tokenizer_json)
         eos_id = resolve_eos(tokenizer, config_dir, args.eos_token)
         c = args.chat
-        chat_spec = (chat.load_spec(config_dir, tokenizer, eos_id, c.chat_template, c.train_on)
+        chat_spec = (chat.load_spec(config_dir, tokenizer, eos_id, c.chat_template, c.train_on,
+                                    eos_given=args.eos_token is not None)
                      if c.messages_field else None)  # fmt: skip
+        eos_id = chat_spec.eos_id if chat_spec else eos_id  # a conversation's end, not a turn's
         _prepare_out_dir(args.out_dir, args.overwrite)
         copy_tokenizer_files(config_dir, args.out_dir, tokenizer_json)
         if chat_spec is not None and c.chat_template is not None:  # the template travels along
