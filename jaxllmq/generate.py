@@ -142,7 +142,9 @@ def load_tokenizer(
     return tok, tuple(ids)
 
 
-def encode_prompt(tok: Tokenizer, prompt: str, vocab_size: int, chat_dir: str | None = None):
+def encode_prompt(
+    tok: Tokenizer, prompt: str, vocab_size: int, chat_dir: str | None = None
+) -> list[int]:
     """The prompt's token ids (with the tokenizer's special tokens, e.g. Llama 3's BOS); with
     `chat_dir`, those of the prompt as a user message rendered by the chat template there,
     generation prompt included."""
