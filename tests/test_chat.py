@@ -328,6 +328,24 @@ def test_a_template_whose_beginnings_render_differently_is_skipped_unless_traini
     assert ids[-1] == 0 and mask[:-1].all() and not mask[-1]
 
 
+def test_a_conversation_ending_with_its_boundary_gets_no_second_one(tmp_path):
+    # As Llama 2's format: EOS closes each assistant turn, so it is the reply's end, trained.
+    tok = Tokenizer.from_str(_any_tokenizer(tmp_path))
+    eos = tok.token_to_id("<eos>")
+    source = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}{% if m.role == 'assistant' %}<eos>"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    spec = chat.ChatSpec(source, "t.jinja", {}, (eos,), eos_id=eos)
+    ids, mask = chat.ChatEncoder(spec, tok).encode(CONVERSATIONS["single"])
+    text = "user: alpha beta?assistant:  gamma delta. <eos>"
+    assert ids == tok.encode(text, add_special_tokens=False).ids
+    trained = tok.decode(
+        [i for i, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False
+    )
+    assert trained == " gamma delta. <eos>"
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
