@@ -35,7 +35,8 @@ LLAMA3 = """{{- bos_token }}
     {%- set system = '' %}
 {%- endif %}
 {%- if system %}
-    {{- '<|start_header_id|>system<|end_header_id|>\\n\\n' + system + '<|eot_id|>' }}
+    {{- '<|start_header_id|>system<|end_header_id|>\\n\\nYear: ' + strftime_now('%Y') + '\\n\\n' }}
+    {{- system + '<|eot_id|>' }}
 {%- endif %}
 {%- for message in messages %}
     {%- set role = 'ipython' if message['role'] == 'tool' else message['role'] %}
