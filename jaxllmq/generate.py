@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 from tokenizers import Tokenizer
 
+from jaxllmq.data import chat as chat_data
 from jaxllmq.export import load_checkpoint, tokenizer_dir
 from jaxllmq.model import hf
 from jaxllmq.model.architecture import ModelConfig
@@ -114,9 +115,12 @@ def cut_at_eos(tokens: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
 # ---- tokenizers ----
 
 
-def load_tokenizer(directory: str | None, cfg: ModelConfig) -> tuple[Tokenizer, tuple[int, ...]]:
+def load_tokenizer(
+    directory: str | None, cfg: ModelConfig, chat: bool = False
+) -> tuple[Tokenizer, tuple[int, ...]]:
     """The tokenizer.json in `directory` and the EOS ids: tokenizer_config.json's eos_token,
-    else the model config's eos_token_id."""
+    else the model config's eos_token_id; with `chat`, also generation_config.json's
+    eos_token_id (a chat template's end-of-turn tokens: <|eot_id|>, <end_of_turn>, ...)."""
     path = os.path.join(directory or "", "tokenizer.json")
     if not directory or not os.path.isfile(path):
         where = f"in {directory}" if directory else "for this model"
@@ -130,18 +134,30 @@ def load_tokenizer(directory: str | None, cfg: ModelConfig) -> tuple[Tokenizer, 
         if isinstance(eos_token, dict):  # older configs: {"content": "</s>", ...}
             eos_token = eos_token.get("content")
     eos_id = tok.token_to_id(eos_token) if isinstance(eos_token, str) else None
-    if eos_id is not None:
-        return tok, (eos_id,)
     ids = cfg.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    ids = [eos_id] if eos_id is not None else ids
+    if chat:
+        ids = list(dict.fromkeys([*ids, *chat_data.end_of_turn_ids(directory, tok)]))
     return tok, tuple(ids)
 
 
-def encode_prompt(tok: Tokenizer, prompt: str, vocab_size: int) -> list[int]:
-    """The prompt's token ids (with the tokenizer's special tokens, e.g. Llama 3's BOS)."""
+def encode_prompt(
+    tok: Tokenizer, prompt: str, vocab_size: int, chat_dir: str | None = None
+) -> list[int]:
+    """The prompt's token ids (with the tokenizer's special tokens, e.g. Llama 3's BOS); with
+    `chat_dir`, those of the prompt as a user message rendered by the chat template there,
+    generation prompt included."""
     if not prompt:
         raise GenerateError("the prompt is empty")
-    ids = tok.encode(prompt).ids
+    if chat_dir is None:
+        ids = tok.encode(prompt).ids
+    else:
+        try:
+            encoder = chat_data.ChatEncoder(chat_data.load_spec(chat_dir, tok), tok)
+            ids = encoder.prompt_ids([{"role": "user", "content": prompt}])
+        except (chat_data.ChatTemplateError, chat_data.Skip) as e:
+            raise GenerateError(str(e)) from e
     if not ids:
         raise GenerateError(f"the prompt {prompt!r} encodes to no tokens")
     if max(ids) >= vocab_size:
@@ -153,7 +169,8 @@ def encode_prompt(tok: Tokenizer, prompt: str, vocab_size: int) -> list[int]:
 
 
 class Sampler:
-    """Greedy continuations of fixed prompts with given params (the trainer's `sample` records).
+    """Greedy continuations of fixed prompts with given params (the trainer's `sample` records);
+    with `chat`, replies to them as user messages.
 
     One compiled program serves all prompts: each is padded to the longest.
     """
@@ -167,10 +184,12 @@ class Sampler:
         max_new_tokens: int,
         dtype=jnp.float32,
         out_sharding: jax.sharding.Sharding | None = None,
+        chat: bool = False,
     ):
-        self.tok, self.eos_ids = load_tokenizer(tokenizer_dir, cfg)
+        self.tok, self.eos_ids = load_tokenizer(tokenizer_dir, cfg, chat)
         self.prompts = list(prompts)
-        self.ids = [encode_prompt(self.tok, p, cfg.vocab_size) for p in self.prompts]
+        chat_dir = tokenizer_dir if chat else None
+        self.ids = [encode_prompt(self.tok, p, cfg.vocab_size, chat_dir) for p in self.prompts]
         self.width = max(map(len, self.ids))
         decode = make_decode(cfg, max_new_tokens=max_new_tokens, eos_ids=self.eos_ids, dtype=dtype)
         self._decode = jax.jit(decode, out_shardings=out_sharding)
@@ -202,6 +221,11 @@ class GenerateConfig(Settings):
     top_p: float = setting(0.95, "Nucleus sampling: keep this much mass.")
     seed: int = setting(0, "Sampling seed (same seed, same text).")
     num_samples: int = setting(1, "Continuations to sample.")
+    chat: bool = setting(
+        False,
+        "Reply to --prompt as a user message: rendered with the tokenizer's chat template "
+        "(generation prompt added); stops at the template's end-of-turn token.",
+    )
 
 
 def load(
@@ -231,14 +255,15 @@ def generate(
     top_p: float = GenerateConfig.top_p,
     seed: int = GenerateConfig.seed,
     num_samples: int = GenerateConfig.num_samples,
+    chat: bool = GenerateConfig.chat,
 ) -> list[str]:
-    """num_samples continuations of `prompt` (the new text only)."""
+    """num_samples continuations of `prompt` (the new text only), or with `chat` replies."""
     if max_new_tokens < 1 or num_samples < 1:
         raise GenerateError("--max_new_tokens and --num_samples must be >= 1")
     if temperature < 0 or not 0 < top_p <= 1:
         raise GenerateError("--temperature must be >= 0 and --top_p in (0, 1]")
-    tok, eos_ids = load_tokenizer(tokenizer_dir, cfg)
-    ids = encode_prompt(tok, prompt, cfg.vocab_size)
+    tok, eos_ids = load_tokenizer(tokenizer_dir, cfg, chat)
+    ids = encode_prompt(tok, prompt, cfg.vocab_size, tokenizer_dir if chat else None)
     total = len(ids) + max_new_tokens
     if cfg.sliding_window is not None and total > cfg.sliding_window:
         raise GenerateError(

@@ -445,6 +445,11 @@ class TrainConfig(Settings):
         parse=parse_prompts,
     )
     sample_max_new_tokens: int = setting(32, "Tokens generated per sample prompt.", lower=1)
+    sample_chat: bool = setting(
+        False,
+        "Samples reply to --sample_prompts as user messages, rendered with the tokenizer's chat "
+        "template (as generate --chat).",
+    )
     out_dir: str | None = setting(
         None, "Where the trained model is exported (HF format); %n = --name.", run_path=True
     )
@@ -477,3 +482,5 @@ class TrainConfig(Settings):
             raise SettingError("give exactly one of --steps and --epochs")
         if self.sample_every_n_steps > 0 and not self.sample_prompts:
             raise SettingError("--sample_every_n_steps needs --sample_prompts (none given)")
+        if self.sample_chat and self.sample_every_n_steps == 0:
+            raise SettingError("--sample_chat needs --sample_every_n_steps (samples are off)")

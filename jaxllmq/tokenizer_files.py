@@ -31,6 +31,14 @@ def copy_tokenizer_files(src_dir: str, dst_dir: str, tokenizer_json: str | None 
             shutil.copyfile(source, target)
 
 
+def read_json(path: str) -> dict:
+    """A JSON config file's object; {} if the file is absent."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 # Beside the tokenizer files in a prepared data directory: {"eos_id": N}, the end-of-document id
 # every document of its shards ends with.
 EOS_FILE = "eos.json"

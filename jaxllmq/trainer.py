@@ -312,6 +312,7 @@ class Trainer:
                 max_new_tokens=cfg.sample_max_new_tokens,
                 dtype=DTYPES[cfg.model.compute_dtype],
                 out_sharding=replicated(self.mesh),
+                chat=cfg.sample_chat,
             )
         except GenerateError as e:
             raise SettingError(f"--sample_every_n_steps: {e}") from e

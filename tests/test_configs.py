@@ -27,7 +27,11 @@ cfg = flags.build(TrainConfig)
 print(cfg.model.model, cfg.steps, cfg.epochs, cfg.data.document_masking)
 """
 # Configs that train on documents masked apart (each attends to itself only).
-DOCUMENT_MASKING = ("llama-3.2-1b-pretrain.flags", "qwen2.5-0.5b-finetune.flags")
+DOCUMENT_MASKING = (
+    "llama-3.2-1b-pretrain.flags",
+    "qwen2.5-0.5b-finetune.flags",
+    "qwen2.5-0.5b-chat.flags",
+)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
@@ -54,20 +58,22 @@ def test_flagfile_parses_and_validates(path, tmp_path):
     assert masking == (os.path.basename(path) in DOCUMENT_MASKING)
 
 
-def test_the_finetune_recipe_packs_for_the_configs_seq_len():
-    """The fine-tuning config's data recipe (its header and the README's tutorial) packs the
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b-finetune.flags", "qwen2.5-0.5b-chat.flags"])
+def test_the_finetune_recipe_packs_for_the_configs_seq_len(name):
+    """A fine-tuning config's data recipe (its header and the README's tutorial) packs the
     examples for the --seq_len it trains with (a run with another is refused)."""
-    with open(os.path.join(ROOT, "configs", "qwen2.5-0.5b-finetune.flags")) as f:
+    with open(os.path.join(ROOT, "configs", name)) as f:
         config = f.read()
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     (seq_len,) = re.findall(r"^--seq_len=(\d+)$", config, flags=re.M)
+    (data_dir,) = re.findall(r"^--train_file=(.+)/[^/]+$", config, flags=re.M)
     header = config.replace("\\\n#", " ")  # the recipe's continued line joined
     recipes = [
         line
         for text in (header, readme)
         for line in text.splitlines()
-        if "jaxllmq.data.prepare" in line and "Qwen2.5-0.5B" in line
+        if "jaxllmq.data.prepare" in line and f"--out_dir={data_dir}" in line.split()
     ]
     assert len(recipes) == 2
     for recipe in recipes:

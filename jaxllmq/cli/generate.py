@@ -31,13 +31,14 @@ def run(argv: list[str]) -> None:
             top_p=cfg.top_p,
             seed=cfg.seed,
             num_samples=cfg.num_samples,
+            chat=cfg.chat,
         )
     except USER_ERRORS as e:
         sys.exit(f"error: {e}")
     for i, text in enumerate(texts):
         if len(texts) > 1:
             print(f"--- sample {i + 1}")
-        print(prompt + text)
+        print(text if cfg.chat else prompt + text)  # a reply, or the prompt continued
 
 
 def main(argv: list[str] | None = None) -> None:

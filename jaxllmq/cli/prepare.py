@@ -6,7 +6,7 @@ import sys
 from absl import app
 
 from jaxllmq.cli import flags
-from jaxllmq.data import prepare
+from jaxllmq.data import chat, prepare
 from jaxllmq.data.shards import ShardError
 
 
@@ -16,7 +16,7 @@ def run(argv: list[str]) -> None:
     cfg = flags.build_or_exit(prepare.PrepareConfig)
     try:
         prepare.run(cfg)
-    except (prepare.PrepareError, ShardError) as e:
+    except (prepare.PrepareError, ShardError, chat.ChatTemplateError) as e:
         sys.exit(f"error: {e}")
 
 

@@ -8,8 +8,10 @@ Writes train-NNN.bin shards and eval.bin into --out_dir, plus a copy of the toke
 trainer copies them into exported models) and eos.json, the EOS id (--document_masking reads it);
 with --pack, pack.json (jaxllmq/data/pack.py). Each document is tokenized and EOS is appended. A
 {"prompt": ..., "response": ...} record becomes prompt + response + EOS, masked so that only the
-response and its EOS are trained on. Worker processes tokenize chunks of documents and the
-results are written in input order, so the output depends only on the inputs and the flags.
+response and its EOS are trained on; a conversation (--messages_field) is rendered with the chat
+template and only its assistant turns are trained on (jaxllmq/data/chat.py). Worker processes
+tokenize chunks of documents and the results are written in input order (jaxllmq/data/split.py),
+so the output depends only on the inputs and the flags.
 
 --quickstart needs no data and no network: its corpus is this Python's own standard library
 sources, and it trains a byte-level BPE tokenizer on them in seconds.
@@ -24,7 +26,6 @@ import json
 import multiprocessing
 import os
 import pathlib
-import sys
 import sysconfig
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -32,6 +33,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from jaxllmq.data import chat
 from jaxllmq.data.pack import (
     PackConfig,
     Packer,
@@ -39,19 +41,16 @@ from jaxllmq.data.pack import (
     whole_windows,
     write_pack_record,
 )
-from jaxllmq.data.shards import ShardWriter, expand_files
+from jaxllmq.data.shards import expand_files
+from jaxllmq.data.split import PrepareError, Progress, Split
 from jaxllmq.setting import SettingError, Settings, section, setting
-from jaxllmq.tokenizer_files import copy_tokenizer_files, write_eos_id
+from jaxllmq.tokenizer_files import copy_tokenizer_files, read_json, write_eos_id
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 QUICKSTART_EOS = "<|endoftext|>"
 CHUNK_CHARS = 1 << 20  # text per worker task: big enough to amortize the hand-off
 
-Document = str | tuple[str, str]  # text, or (prompt, response)
-
-
-class PrepareError(ValueError):
-    """Bad inputs or flags; the message names the file or flag and what to do."""
+Document = str | tuple[str, str] | list  # text, (prompt, response), or a conversation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +74,7 @@ class PrepareConfig(Settings):
         "(and its EOS) is trained on.",
     )
     response_field: str = setting("response", "See --prompt_field.")
+    chat: chat.ChatConfig = section(chat.ChatConfig)
     txt_documents: str = setting(
         "file",
         "One .txt document is: the whole file, each blank-line-separated paragraph, or each "
@@ -125,10 +125,9 @@ class PrepareConfig(Settings):
     def check(self) -> None:
         if self.out_dir is None:
             raise SettingError("--out_dir is required: where the shards go")
-        if self.quickstart and (self.input or self.tokenizer):
-            raise SettingError(
-                "--quickstart makes its own corpus and tokenizer: drop --input and --tokenizer"
-            )
+        if self.quickstart and (self.input or self.tokenizer or self.chat.messages_field):
+            raise SettingError("--quickstart makes its own corpus and tokenizer: drop --input, "
+                               "--tokenizer and --messages_field")  # fmt: skip
         if not self.quickstart and not (self.input and self.tokenizer):
             raise SettingError("give --input and --tokenizer, or --quickstart")
         if self.eval_fraction >= 1:
@@ -144,8 +143,13 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
     return paths
 
 
-def _document(record: dict, where: str, fields: tuple[str, str, str]) -> Document | None:
-    text, prompt, response = fields
+def _document(record: dict, where: str, fields: tuple) -> Document | None:
+    text, prompt, response, messages = fields
+    if messages is not None:  # a conversation: chat.py checks its messages
+        if messages not in record:
+            raise PrepareError(f"{where}: record has no {messages!r} field (it has "
+                               f"{sorted(record)[:8]}); set --messages_field")  # fmt: skip
+        return record[messages] or []  # checked and counted (skipped) as it is encoded
     if prompt in record and response in record:
         doc = (record[prompt], record[response])
     elif text in record:
@@ -160,7 +164,7 @@ def _document(record: dict, where: str, fields: tuple[str, str, str]) -> Documen
     return doc if doc else None  # an empty text is skipped: it would be a lone EOS
 
 
-def read_documents(paths: list[str], fields: tuple[str, str, str], txt: str) -> Iterator[Document]:
+def read_documents(paths: list[str], fields: tuple, txt: str) -> Iterator[Document]:
     """Documents of .txt (per --txt_documents), .jsonl and .parquet files, in order."""
     for path in paths:
         if path.endswith(".txt"):
@@ -182,15 +186,16 @@ def read_documents(paths: list[str], fields: tuple[str, str, str], txt: str) -> 
             yield from _parquet_documents(path, fields)
 
 
-def _parquet_documents(path: str, fields: tuple[str, str, str]) -> Iterator[Document]:
+def _parquet_documents(path: str, fields: tuple) -> Iterator[Document]:
     import pyarrow.parquet as pq  # only parquet inputs need pyarrow
 
     file = pq.ParquetFile(path)
     names = set(file.schema_arrow.names)
-    text, prompt, response = fields
-    columns = [prompt, response] if {prompt, response} <= names else [text]
+    text, prompt, response, messages = fields
+    columns = [prompt, response] if {prompt, response} <= names else [messages or text]
     if not set(columns) <= names:
-        raise PrepareError(f"{path}: no column {text!r} (it has {sorted(names)}); set --text_field")
+        flag = "--messages_field" if messages else "--text_field"
+        raise PrepareError(f"{path}: no column {columns[0]!r} (it has {sorted(names)}); set {flag}")
     row = 0
     for batch in file.iter_batches(columns=columns):
         for record in batch.to_pylist():
@@ -213,23 +218,16 @@ def find_tokenizer(path: str) -> tuple[str, str]:
     return path, os.path.dirname(os.path.abspath(path))
 
 
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def resolve_eos(tokenizer: Tokenizer, config_dir: str, eos_token: str | None) -> int:
     """EOS id from --eos_token, else tokenizer_config.json's eos_token, else config.json's."""
     source = "--eos_token"
     if eos_token is None:
-        eos_token = _read_json(os.path.join(config_dir, "tokenizer_config.json")).get("eos_token")
+        eos_token = read_json(os.path.join(config_dir, "tokenizer_config.json")).get("eos_token")
         if isinstance(eos_token, dict):  # older configs: {"content": "</s>", ...}
             eos_token = eos_token.get("content")
         source = f"eos_token in {config_dir}/tokenizer_config.json"
     if eos_token is None:
-        eos_id = _read_json(os.path.join(config_dir, "config.json")).get("eos_token_id")
+        eos_id = read_json(os.path.join(config_dir, "config.json")).get("eos_token_id")
         eos_id = eos_id[0] if isinstance(eos_id, list) and eos_id else eos_id
         if not isinstance(eos_id, int):
             raise PrepareError(
@@ -247,14 +245,20 @@ def resolve_eos(tokenizer: Tokenizer, config_dir: str, eos_token: str | None) ->
 _worker: dict = {}
 
 
-def _init_worker(tokenizer_json: str, eos_id: int, add_special_tokens: bool, pool: bool) -> None:
+def _init_worker(tokenizer_json: str, eos_id: int, add_special_tokens: bool, pool: bool,
+                 chat_spec: chat.ChatSpec | None) -> None:  # fmt: skip
     if pool:  # one process per core: the tokenizer's own threads would only oversubscribe
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker.update(tok=Tokenizer.from_str(tokenizer_json), eos=eos_id, special=add_special_tokens)
+    tok = Tokenizer.from_str(tokenizer_json)
+    encoder = chat.ChatEncoder(chat_spec, tok) if chat_spec else None
+    _worker.update(tok=tok, eos=eos_id, special=add_special_tokens, chat=encoder)
 
 
-def _encode_chunk(docs: list[Document]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Tokens of all docs (EOS appended), each doc's length, and a mask if any doc is a pair."""
+def _encode_chunk(docs: list[Document]) -> tuple:
+    """Tokens of all docs (EOS appended), each doc's length, a mask if any doc is a pair or a
+    conversation, and the conversations skipped, by reason."""
+    if _worker["chat"] is not None:
+        return _worker["chat"].encode_chunk(docs)
     tok, eos, special = _worker["tok"], _worker["eos"], _worker["special"]
     pairs = [d for d in docs if isinstance(d, tuple)]
     texts = tok.encode_batch([d for d in docs if isinstance(d, str)], add_special_tokens=special)
@@ -273,14 +277,15 @@ def _encode_chunk(docs: list[Document]) -> tuple[np.ndarray, np.ndarray, np.ndar
         parts.append(np.asarray(ids, dtype=np.int32))
         masks.append(np.arange(len(ids)) >= trained)
     lengths = np.array([len(p) for p in parts], dtype=np.int64)
-    return np.concatenate(parts), lengths, np.concatenate(masks) if pairs else None
+    return np.concatenate(parts), lengths, np.concatenate(masks) if pairs else None, {}
 
 
 def _chunks(docs: Iterable[Document]) -> Iterator[list[Document]]:
     chunk, chars = [], 0
     for doc in docs:
         chunk.append(doc)
-        chars += len(doc) if isinstance(doc, str) else len(doc[0]) + len(doc[1])
+        chars += (len(doc) if isinstance(doc, str) else len(doc[0]) + len(doc[1])
+                  if isinstance(doc, tuple) else chat.characters(doc))  # fmt: skip
         if chars >= CHUNK_CHARS:
             yield chunk
             chunk, chars = [], 0
@@ -289,9 +294,10 @@ def _chunks(docs: Iterable[Document]) -> Iterator[list[Document]]:
 
 
 def encode_in_order(docs: Iterable[Document], tokenizer_json: str, eos_id: int,
-                    add_special_tokens: bool, workers: int) -> Iterator[tuple]:  # fmt: skip
+                    add_special_tokens: bool, workers: int,
+                    chat_spec: chat.ChatSpec | None = None) -> Iterator[tuple]:  # fmt: skip
     """Tokenize chunks of documents on `workers` processes; yields results in input order."""
-    init = (tokenizer_json, eos_id, add_special_tokens, workers > 1)
+    init = (tokenizer_json, eos_id, add_special_tokens, workers > 1, chat_spec)
     if workers == 1:  # in this process (the tokenizer still uses its threads)
         _init_worker(*init)
         yield from map(_encode_chunk, _chunks(docs))
@@ -305,102 +311,6 @@ def encode_in_order(docs: Iterable[Document], tokenizer_json: str, eos_id: int,
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
-
-
-class Split:
-    """Routes whole documents to eval.bin or to train shards of `shard_tokens` tokens each."""
-
-    def __init__(self, out_dir: str, vocab_size: int, shard_tokens: int, eval_fraction: float,
-                 eval_tokens: int):  # fmt: skip
-        self.out_dir, self.vocab_size, self.shard_tokens = out_dir, vocab_size, shard_tokens
-        self.eval_fraction, self.eval_tokens = eval_fraction, eval_tokens
-        self.documents = self.eval_documents = self.tokens = self.eval_written = 0
-        self.masked_out = self.shards_written = 0
-        self.train: ShardWriter | None = None
-        self.eval: ShardWriter | None = None
-
-    def _to_eval(self) -> bool:
-        if self.eval_tokens:
-            return self.eval_written < self.eval_tokens
-        # Greedy: a document is held out while eval is below its share of the tokens so far.
-        return self.eval_written < self.eval_fraction * self.tokens
-
-    def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None) -> None:
-        """Write a chunk of documents (concatenated tokens, their lengths, optional mask)."""
-        mask = np.ones(len(tokens), dtype=bool) if mask is None else mask
-        self.masked_out += int((~mask).sum())
-        to_eval = np.zeros(len(lengths), dtype=bool)
-        for i, n in enumerate(lengths.tolist()):
-            self.tokens += n
-            if self._to_eval():
-                to_eval[i] = True
-                self.eval_written += n
-        self.documents += len(lengths)
-        self.eval_documents += int(to_eval.sum())
-        # Append runs of documents bound for the same file at once, not one by one.
-        ends = np.cumsum(lengths)
-        for run in np.split(np.arange(len(lengths)), np.flatnonzero(np.diff(to_eval)) + 1):
-            start, end = ends[run[0]] - lengths[run[0]], ends[run[-1]]
-            if not to_eval[run[0]]:
-                self._add_train(tokens[start:end], mask[start:end])
-                continue
-            if self.eval is None:
-                path = os.path.join(self.out_dir, "eval.bin")
-                self.eval = ShardWriter(path, vocab_size=self.vocab_size)
-            self.eval.append(tokens[start:end], mask[start:end])
-
-    def _add_train(self, tokens: np.ndarray, mask: np.ndarray) -> None:
-        while len(tokens):  # a document may straddle shards: windows ignore document bounds
-            if self.train is None:
-                name = f"train-{self.shards_written:03d}.bin"
-                self.train = ShardWriter(
-                    os.path.join(self.out_dir, name), vocab_size=self.vocab_size
-                )
-            room = self.shard_tokens - self.train.num_tokens
-            self.train.append(tokens[:room], mask[:room])
-            tokens, mask = tokens[room:], mask[room:]
-            if self.train.num_tokens == self.shard_tokens:
-                self._close_train()
-
-    def _close_train(self) -> None:
-        self.train.close()
-        self.train = None
-        self.shards_written += 1
-
-    def __enter__(self) -> Split:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        for writer in (self.train, self.eval):
-            if writer is not None:
-                writer.__exit__(exc_type, exc, tb)  # on error: removes the partial file
-        if exc_type is None and self.train is not None:
-            self.train = None
-            self.shards_written += 1
-        if exc_type is None and self.shards_written == 0:
-            raise PrepareError(
-                f"no train tokens: all {self.tokens} tokens ({self.documents} documents) went "
-                f"to eval.bin; lower --eval_fraction / --eval_tokens or add input"
-            )
-
-
-class Progress:
-    """A one-line progress report on stderr (rewritten in place on a terminal)."""
-
-    def __init__(self):
-        self.start = self.last = time.perf_counter()
-        self.tty = sys.stderr.isatty()
-
-    def update(self, documents: int, tokens: int, final: bool = False) -> float:
-        """Report if a while has passed since the last report (always when final); -> tokens/s."""
-        now = time.perf_counter()
-        rate = tokens / max(now - self.start, 1e-9)
-        if final or now - self.last >= (0.5 if self.tty else 10):
-            self.last = now
-            line = f"{documents:,} documents, {tokens:,} tokens, {rate:,.0f} tokens/s"
-            end = "\n" if final or not self.tty else ""
-            print(("\r" if self.tty else "") + line, end=end, file=sys.stderr, flush=True)
-        return rate
 
 
 def stdlib_sources(max_chars: int) -> list[str]:
@@ -462,22 +372,38 @@ def run(args: PrepareConfig) -> dict:
         tokenizer = train_quickstart_tokenizer(texts, args.vocab_size, args.out_dir)
         eos_id = resolve_eos(tokenizer, args.out_dir, args.eos_token)
         docs: Iterable[Document] = texts
+        chat_spec = None
     else:  # check inputs, tokenizer and EOS before touching --out_dir
         paths = expand_inputs(args.input)
         tokenizer_json, config_dir = find_tokenizer(args.tokenizer)
         tokenizer = Tokenizer.from_file(tokenizer_json)
         eos_id = resolve_eos(tokenizer, config_dir, args.eos_token)
+        c = args.chat
+        chat_spec = (chat.load_spec(config_dir, tokenizer, eos_id, c.chat_template, c.train_on,
+                                    eos_given=args.eos_token is not None)
+                     if c.messages_field else None)  # fmt: skip
+        eos_id = chat_spec.eos_id if chat_spec else eos_id  # a conversation's end, not a turn's
         _prepare_out_dir(args.out_dir, args.overwrite)
         copy_tokenizer_files(config_dir, args.out_dir, tokenizer_json)
-        fields = (args.text_field, args.prompt_field, args.response_field)
+        if chat_spec is not None and c.chat_template is not None:  # the template travels along
+            pathlib.Path(args.out_dir, "chat_template.jinja").write_text(chat_spec.template)
+        fields = (args.text_field, args.prompt_field, args.response_field, c.messages_field)
         docs = read_documents(paths, fields, args.txt_documents)
     write_eos_id(args.out_dir, eos_id)
     write_pack_record(args.out_dir, args.packing.seq_len)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     progress = Progress()  # its clock times tokenizing alone: the throughput figure
-    chunks = encode_in_order(docs, tokenizer.to_str(), eos_id, args.add_special_tokens,
-                             args.workers)  # fmt: skip
-    shard_tokens, pack = args.tokens_per_shard, args.packing
+    skipped: collections.Counter = collections.Counter()
+
+    def encoded():
+        for tokens, lengths, mask, skips in encode_in_order(
+            docs, tokenizer.to_str(), eos_id, args.add_special_tokens, args.workers, chat_spec
+        ):
+            skipped.update(skips)
+            if len(lengths):
+                yield tokens, lengths, mask
+
+    chunks, shard_tokens, pack = encoded(), args.tokens_per_shard, args.packing
     if pack.pack:  # whole windows of whole examples go to the train shards and eval.bin
         packer = Packer(pack.seq_len + 1, eos_id, pack.pack_overlong, max_examples_per_window(pack))
         chunks, shard_tokens = packer.pack(chunks), whole_windows(shard_tokens, packer.window)
@@ -486,6 +412,7 @@ def run(args: PrepareConfig) -> dict:
         for tokens, lengths, mask in chunks:
             split.add(tokens, lengths, mask)
             progress.update(split.documents, split.tokens)
+        chat.report_skipped(skipped)  # before Split's check that anything was written
     rate = progress.update(split.documents, split.tokens, final=True)
     train_tokens = split.tokens - split.eval_written
     docs_, masked = ("windows", "prompt and pad") if pack.pack else ("documents", "prompt")
