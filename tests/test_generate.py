@@ -1,6 +1,7 @@
 """Generation: the cached decode against the full forward and transformers' greedy generate,
 seeded sampling, the CLI on an exported model, and the trainer's `sample` records."""
 
+import functools
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from hf_models import tiny_llama, tiny_qwen2, tiny_qwen3
+from hf_models import tiny_gemma3, tiny_llama, tiny_mistral, tiny_qwen2, tiny_qwen3
 from tiny_tokenizer import write_tiny_tokenizer
 from tokenizers import Tokenizer
 
@@ -26,7 +27,16 @@ EOS = "<eos>"
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
 
-BUILDERS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3}
+# Mistral's window (8) and Gemma 3's local layers' (8) are shorter than the decoded sequences.
+# (No EOS for the Mistral: transformers' min_new_tokens would suppress the one it greedily
+# reaches, where make_decode without eos_ids keeps it.)
+BUILDERS = {
+    "llama": tiny_llama,
+    "qwen2": tiny_qwen2,
+    "qwen3": tiny_qwen3,
+    "mistral": functools.partial(tiny_mistral, sliding_window=8, eos_token_id=None),
+    "gemma3": tiny_gemma3,
+}
 
 
 @pytest.fixture(params=sorted(BUILDERS), scope="module")
