@@ -11,6 +11,7 @@ import torch
 import transformers
 from flax import nnx
 from hf_models import hf_logits, tiny_gemma3
+from jax.sharding import PartitionSpec as P
 
 from jaxllmq.model import hf
 from jaxllmq.model.architecture import ModelConfig, ModelConfigError, RopeScaling, preset
@@ -157,3 +158,15 @@ def test_the_plan_runs_xla_norms_and_scans_windows_in_xla_attention():
         preset("tiny"), architecture="MistralForCausalLM", sliding_window=64
     )
     assert make_plan(mistral, cudnn, mesh_shape=mesh, **h200).attention == "cudnn"
+
+
+def test_the_extra_norms_split_like_the_others():
+    # ZeRO-3 with tensor parallelism: every norm weight split over fsdp, whole for tensor.
+    spec = ModelSpec(model="gemma-3-1b", from_scratch=True, matmul_dtype="float32")
+    mesh = dict(data=1, fsdp=2, tensor=2)
+    cfg = dataclasses.replace(preset("gemma-3-1b"), num_key_value_heads=2)
+    plan = make_plan(cfg, spec, mesh_shape=mesh, platform="cpu", device_kind="cpu", zero_level=3)
+    for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm", "input_layernorm"):
+        assert plan.param_specs["layers"][name] == P(None, "fsdp")
+        assert plan.layer_compute_specs[name] == P(None)
+    assert plan.param_specs["layers"]["q_norm"] == P(None, "fsdp")

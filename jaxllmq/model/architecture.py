@@ -140,7 +140,7 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         """Whether each head's q and k are RMS-normalized (weights q_norm, k_norm [Dh]) before
-        RoPE, as Qwen3 does."""
+        RoPE, as Qwen3 and Gemma 3 do."""
         return self.architecture in ("Qwen3ForCausalLM", GEMMA3)
 
     @property

@@ -4,7 +4,7 @@ layers) and Gemma 3's own (attention scale, local RoPE base, GeGLU), read and wr
 
 from typing import Any
 
-from jaxllmq.model.checks import ModelConfigError, check_int, check_number
+from jaxllmq.model.checks import ModelConfigError, check_int, check_number, is_int
 from jaxllmq.model.rope import RopeScaling, read_rope
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -79,7 +79,8 @@ def read_windows(arch: str, d: dict[str, Any]) -> tuple[int | None, tuple[str, .
         types = _layer_types(d, layers)
         if types is None:
             first = d.get("max_window_layers", 28)
-            check_int("max_window_layers", first + 1)  # 0 is allowed: every layer sliding
+            if not is_int(first) or first < 0:  # 0: every layer sliding
+                raise ModelConfigError(f"max_window_layers must be an integer >= 0, got {first!r}")
             types = tuple(SLIDING if i >= first else FULL for i in range(layers))
         return (d["sliding_window"], types) if SLIDING in types else (None, None)
     if arch == GEMMA3:
