@@ -70,12 +70,9 @@ def tiny_qwen3(path: str, tie: bool = False, seed: int = 0) -> transformers.PreT
     return _build(transformers.Qwen3ForCausalLM, cfg, path, seed)
 
 
-def tiny_mistral(
-    path: str, sliding_window: int, seed: int = 0, **fields
-) -> transformers.PreTrainedModel:
-    """A Mistral with GQA, an explicit head_dim and a sliding window (config `fields` override),
-    saved as safetensors."""
-    cfg = dict(
+def tiny_mistral(path: str, sliding_window: int, seed: int = 0) -> transformers.PreTrainedModel:
+    """A Mistral with GQA, an explicit head_dim and a sliding window, saved as safetensors."""
+    cfg = transformers.MistralConfig(
         vocab_size=257,
         hidden_size=64,
         intermediate_size=128,
@@ -89,15 +86,10 @@ def tiny_mistral(
         sliding_window=sliding_window,
         tie_word_embeddings=False,
     )
-    return _build(
-        transformers.MistralForCausalLM,
-        transformers.MistralConfig(**{**cfg, **fields}),
-        path,
-        seed,
-    )
+    return _build(transformers.MistralForCausalLM, cfg, path, seed)
 
 
-def tiny_gemma3(path: str, seed: int = 0, **fields) -> transformers.PreTrainedModel:
+def tiny_gemma3(path: str, seed: int = 0) -> transformers.PreTrainedModel:
     """A Gemma 3 of 4 layers (local, local, global, local: window 8), GQA, head_dim 32 over
     hidden 64, linear RoPE scaling on the global layer, tied embeddings, saved as safetensors."""
     cfg = dict(
@@ -126,7 +118,7 @@ def tiny_gemma3(path: str, seed: int = 0, **fields) -> transformers.PreTrainedMo
     )
     return _build(
         transformers.Gemma3ForCausalLM,
-        transformers.Gemma3TextConfig(**{**cfg, **fields}),
+        transformers.Gemma3TextConfig(**cfg),
         path,
         seed,
     )

@@ -70,10 +70,9 @@ def _without_windows(path: str, ref, length: int) -> float:
     return float(np.abs(np.asarray(logits) - hf_logits(ref, tokens)).max())
 
 
-@pytest.mark.parametrize("scan_layers", [True, False])
-def test_mistral_matches_transformers_past_its_sliding_window(scan_layers, tmp_path):
+def test_mistral_matches_transformers_past_its_sliding_window(tmp_path):
     ref = tiny_mistral(str(tmp_path), sliding_window=7)
-    model = hf.from_pretrained(str(tmp_path), attention="xla", scan_layers=scan_layers)
+    model = hf.from_pretrained(str(tmp_path), attention="xla")
     assert model.cfg.layer_windows() == (7, 7)
     tokens = _tokens(model.cfg.vocab_size, 29)
     assert np.abs(np.asarray(model.logits(tokens)) - hf_logits(ref, tokens)).max() < 1e-4

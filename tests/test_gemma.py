@@ -117,7 +117,12 @@ def test_logits_match_transformers_past_the_local_window(hf_dir, scan_layers):
     assert model.cfg.layer_windows() == (8, 8, None, 8)  # 29 tokens: windows of 8 bite
     tokens = _tokens(model.cfg.vocab_size)
     assert np.abs(np.asarray(model.logits(tokens)) - hf_logits(ref, tokens)).max() < 1e-4
-    # The local layers' window and RoPE base are both what matches.
+
+
+def test_the_local_layers_window_and_rope_base_are_what_matches(hf_dir):
+    path, ref = hf_dir
+    model = hf.from_pretrained(path, attention="xla")
+    tokens = _tokens(model.cfg.vocab_size)
     for change in (dict(sliding_window=64), dict(rope_local_base_freq=1e6)):
         other = dataclasses.replace(model.cfg, **change)
         logits = nnx.merge(abstract_model(other, attention="xla")[0], params_of(model))

@@ -19,8 +19,8 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 
 def scale_embeddings(x_BxTxD: jax.Array) -> jax.Array:
-    """The embeddings times sqrt(D), the factor rounded to their dtype first, as transformers
-    does."""
+    """The embeddings times sqrt(D), the factor rounded to their dtype (the table's) first, as
+    transformers does."""
     return x_BxTxD * jnp.asarray(math.sqrt(x_BxTxD.shape[-1]), x_BxTxD.dtype)
 
 

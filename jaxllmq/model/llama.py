@@ -373,16 +373,13 @@ class Llama(nnx.Module):
         if any(cfg.layer_local_rope()):
             ropes[True] = rope_cos_sin(cfg, positions_BxT, local=True)
         documents = None if segment_ids_BxT is None else same_document(segment_ids_BxT)
-        x_BxTxD = self.embed(tokens_BxT)
-        if cfg.is_gemma:
-            x_BxTxD = gemma.scale_embeddings(x_BxTxD)
-        x_BxTxD = self.constrain(x_BxTxD)
+        x_BxTxD = self.constrain(self.embed(tokens_BxT))
 
         def layer(x, p, amax, cache, window, local):
             """One layer; `window` and `local` (Gemma's local RoPE) static, or traced in a scan
             over layers of several kinds (the window then ALL_KEYS for a global layer)."""
-            if isinstance(local, bool):
-                cos, sin = ropes[local]
+            if isinstance(local, bool) or len(ropes) == 1:
+                cos, sin = ropes[local is True]
             else:
                 cos, sin = (
                     jnp.where(local, a, b) for a, b in zip(ropes[True], ropes[False], strict=True)
@@ -412,35 +409,21 @@ class Llama(nnx.Module):
             return self.constrain(x), cache
 
         # Inside scan, CSE cannot merge the recomputation into the forward: no barrier needed.
-        def wrapped(**kind):
-            return self.recompute.wrap(
-                functools.partial(layer, **kind), prevent_cse=not self.scan_layers
-            )
-
-        kinds = [
-            dict(window=w, local=lo)
-            for w, lo in zip(cfg.layer_windows(), cfg.layer_local_rope(), strict=True)
-        ]
+        wrap = functools.partial(self.recompute.wrap, prevent_cse=not self.scan_layers)
+        kinds = list(zip(cfg.layer_windows(), cfg.layer_local_rope(), strict=True))
         stacked = self.layers.arrays()
         if self.scan_layers and not cfg.mixed_windows:
-            scanned = wrapped(**kinds[0])
+            scanned = wrap(functools.partial(layer, window=kinds[0][0], local=kinds[0][1]))
             x_BxTxD, cache = jax.lax.scan(
                 lambda x, pac: scanned(x, *pac), x_BxTxD, (stacked, fp8_amax, cache)
             )
-        elif self.scan_layers:
-            windows = jnp.array([ALL_KEYS if k["window"] is None else k["window"] for k in kinds])
-            per_layer = (windows,)
-            if len(ropes) == 1:
-                scanned = self.recompute.wrap(
-                    functools.partial(layer, local=False), prevent_cse=False
-                )
-            else:
-                per_layer += (jnp.array([k["local"] for k in kinds]),)
-                scanned = self.recompute.wrap(layer, prevent_cse=False)
+        elif self.scan_layers:  # each layer's window and RoPE kind scanned with its weights
+            windows = jnp.array([w or ALL_KEYS for w, _ in kinds])
+            local = jnp.array([lo for _, lo in kinds])
             x_BxTxD, cache = jax.lax.scan(
-                lambda x, pack: scanned(x, *pack),
+                lambda x, pack: wrap(layer)(x, *pack),
                 x_BxTxD,
-                (stacked, fp8_amax, cache, *per_layer),
+                (stacked, fp8_amax, cache, windows, local),
             )
         else:
             # One split per stacked weight rather than an index per layer: the split's gradient
@@ -449,9 +432,9 @@ class Llama(nnx.Module):
             n = cfg.num_hidden_layers
             per_layer = {k: [p[0] for p in jnp.split(v, n)] for k, v in stacked.items()}
             layer_caches = []
-            for i in range(n):
+            for i, (w, lo) in enumerate(kinds):
                 amax, layer_cache = jax.tree.map(operator.itemgetter(i), (fp8_amax, cache))
-                x_BxTxD, layer_cache = wrapped(**kinds[i])(
+                x_BxTxD, layer_cache = wrap(functools.partial(layer, window=w, local=lo))(
                     x_BxTxD, {k: v[i] for k, v in per_layer.items()}, amax, layer_cache
                 )
                 layer_caches.append(layer_cache)
@@ -464,7 +447,7 @@ class Llama(nnx.Module):
         return h_BxTxD, cache
 
     def embed(self, tokens_BxT: jax.Array) -> jax.Array:
-        """The tokens' embeddings [B, T, D] in the compute dtype.
+        """The tokens' embeddings [B, T, D] in the compute dtype (Gemma's times sqrt(D)).
 
         The table's gradient is a scatter-add of the tokens' gradients. With the batch split over
         devices, each device scatters its own tokens and the dense [V, D] sums are reduced across
@@ -474,10 +457,16 @@ class Llama(nnx.Module):
         scatter-adds all of them: the table's gradient needs no reduction.
         """
         table_VxD = self.embed_tokens[...]
+
+        def lookup(tokens_BxT):  # Gemma's scaled in the table's dtype, as transformers does
+            rows_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0)
+            if self.cfg.is_gemma:
+                rows_BxTxD = gemma.scale_embeddings(rows_BxTxD)
+            return rows_BxTxD.astype(self.dtype)
+
         if tokens_BxT.size >= self.gather_embed_below:
-            return jnp.take(table_VxD, tokens_BxT, axis=0).astype(self.dtype)
-        tokens_BxT = self.replicate(tokens_BxT)
-        return self.replicate(jnp.take(table_VxD, tokens_BxT, axis=0).astype(self.dtype))
+            return lookup(tokens_BxT)
+        return self.replicate(lookup(self.replicate(tokens_BxT)))
 
     def logits(
         self,
