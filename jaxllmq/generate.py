@@ -264,12 +264,6 @@ def generate(
         raise GenerateError("--temperature must be >= 0 and --top_p in (0, 1]")
     tok, eos_ids = load_tokenizer(tokenizer_dir, cfg, chat)
     ids = encode_prompt(tok, prompt, cfg.vocab_size, tokenizer_dir if chat else None)
-    total = len(ids) + max_new_tokens
-    if cfg.sliding_window is not None and total > cfg.sliding_window:
-        raise GenerateError(
-            f"prompt + --max_new_tokens = {total} exceeds the model's sliding_window "
-            f"{cfg.sliding_window}, which is not implemented"
-        )
     decode = make_decode(
         cfg,
         max_new_tokens=max_new_tokens,

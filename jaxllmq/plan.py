@@ -17,7 +17,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from jaxllmq.kernels import KERNELS, is_hopper, resolve_impl
 from jaxllmq.kernels.lm_head_loss import kernel_used
-from jaxllmq.model.architecture import ModelConfig
+from jaxllmq.model.architecture import ModelConfig, ModelConfigError
 from jaxllmq.model.llama import abstract_model, can_fuse_qkv_grads, resolve_attention
 from jaxllmq.offload import DEVICE, HOST, Offload
 from jaxllmq.parallel import rules
@@ -184,13 +184,23 @@ def make_plan(
     dtype = jnp.dtype(spec.compute_dtype)  # the compute dtype: the LM head's and attention's
     head = kernel_used(chosen["lm_head_loss"], model_cfg.hidden_size, model_cfg.vocab_size, dtype)
     run = {**chosen, "lm_head_loss": head}
+    if model_cfg.is_gemma:  # its norms of (1 + w) run in fp32 in XLA only (model/gemma.py)
+        run["rms_norm"] = "xla"
     # A Pallas call has no partitioning rule: on several devices it runs per device's tokens.
     per_device = lambda impl: impl in ("pallas", "mosaic") and devices > 1
+    per_layer_windows = spec.scan_layers and model_cfg.mixed_windows
+    if per_layer_windows and spec.attention == "cudnn":
+        raise ModelConfigError(
+            "--attention=cudnn with --scan_layers: this model's layers differ in their sliding "
+            "windows, which a scan gives attention as a mask that XLA's attention only takes; "
+            "use --attention=xla, or --noscan_layers (each layer its own window, in cuDNN)"
+        )
     attention = resolve_attention(
         spec.attention,
         dtype,
         platform=platform,
         deterministic=spec.deterministic,
+        per_layer_windows=per_layer_windows,
     )
     mesh = AbstractMesh(tuple(shape.values()), MESH_AXES)
     _, abstract, axes = abstract_model(model_cfg, attention=attention)

@@ -31,9 +31,10 @@ def tiny_llama(path: str, seed: int = 0, **fields) -> transformers.PreTrainedMod
     )
 
 
-def tiny_qwen2(path: str, seed: int = 0) -> transformers.PreTrainedModel:
-    """A Qwen2 with q/k/v biases and tied embeddings, saved as safetensors to path."""
-    cfg = transformers.Qwen2Config(
+def tiny_qwen2(path: str, seed: int = 0, **fields) -> transformers.PreTrainedModel:
+    """A Qwen2 with q/k/v biases and tied embeddings (config `fields` override), saved as
+    safetensors to path."""
+    cfg = dict(
         vocab_size=293,
         hidden_size=96,
         intermediate_size=160,
@@ -45,7 +46,9 @@ def tiny_qwen2(path: str, seed: int = 0) -> transformers.PreTrainedModel:
         rope_theta=1000000.0,
         tie_word_embeddings=True,
     )
-    return _build(transformers.Qwen2ForCausalLM, cfg, path, seed)
+    return _build(
+        transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**{**cfg, **fields}), path, seed
+    )
 
 
 def tiny_qwen3(path: str, tie: bool = False, seed: int = 0) -> transformers.PreTrainedModel:
@@ -84,6 +87,41 @@ def tiny_mistral(path: str, sliding_window: int, seed: int = 0) -> transformers.
         tie_word_embeddings=False,
     )
     return _build(transformers.MistralForCausalLM, cfg, path, seed)
+
+
+def tiny_gemma3(path: str, seed: int = 0) -> transformers.PreTrainedModel:
+    """A Gemma 3 of 4 layers (local, local, global, local: window 8), GQA, head_dim 32 over
+    hidden 64, linear RoPE scaling on the global layer, tied embeddings, saved as safetensors."""
+    cfg = dict(
+        vocab_size=263,
+        hidden_size=64,
+        intermediate_size=144,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        sliding_window=8,
+        layer_types=[
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+        ],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        tie_word_embeddings=True,
+    )
+    return _build(
+        transformers.Gemma3ForCausalLM,
+        transformers.Gemma3TextConfig(**cfg),
+        path,
+        seed,
+    )
 
 
 def _build(cls, cfg, path: str, seed: int) -> transformers.PreTrainedModel:

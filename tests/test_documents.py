@@ -21,6 +21,7 @@ from jaxllmq.data.pipeline import TokenBatches, documents
 from jaxllmq.data.shards import write_shard
 from jaxllmq.model.architecture import preset
 from jaxllmq.model.attention import document_spans
+from jaxllmq.model.families import FULL, GEMMA3, SLIDING
 from jaxllmq.model.llama import Llama, params_of
 from jaxllmq.model.recompute import Recompute
 from jaxllmq.parallel.mesh import make_mesh
@@ -148,6 +149,30 @@ def test_a_packed_window_computes_each_document_alone(scan_layers, recompute):
     # Without the documents the window is one sequence: its logits differ.
     plain = jax.jit(lambda p: nnx.merge(graphdef, p).logits(batch["inputs"]))(params)
     assert np.max(np.abs(plain[0] - alone[0][1][0])) > 1e-3
+
+
+# Windows of 5 keys, shorter than the documents of 7 and 20 tokens: Mistral's on every layer
+# (a static window), Gemma 3's on its local layer (scanned: a per-layer mask).
+WINDOWED = {
+    "mistral": dataclasses.replace(CFG, architecture="MistralForCausalLM", sliding_window=5),
+    "gemma3": dataclasses.replace(
+        CFG,
+        architecture=GEMMA3,
+        sliding_window=5,
+        layer_types=(SLIDING, FULL),
+        query_pre_attn_scalar=16.0,
+        rope_local_base_freq=1e4,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WINDOWED))
+def test_windows_and_documents_together_compute_each_document_alone(name):
+    graphdef, params = nnx.split(Llama(WINDOWED[name], rngs=nnx.Rngs(0), attention="xla"))
+    batch = _batch(WINDOWS)
+    run = lambda forward: jax.jit(lambda p: forward(graphdef, p, batch))(params)
+    _close(run(_packed), run(_alone))
 
 
 @pytest.mark.parametrize("zero_level, tp", [(3, 1), (1, 2)])

@@ -1,14 +1,18 @@
 """Float32 logits against transformers for each family's variants: RoPE scaling (llama3, linear)
-past the original context, and Mistral's sliding window at its boundary."""
+past the original context, and sliding windows shorter than the sequence (Mistral's on every
+layer, Qwen2's from max_window_layers on)."""
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
-from hf_models import hf_logits, tiny_llama, tiny_mistral
+from flax import nnx
+from hf_models import hf_logits, tiny_llama, tiny_mistral, tiny_qwen2
 
 from jaxllmq.model import hf
 from jaxllmq.model.architecture import ModelConfig, RopeScaling
+from jaxllmq.model.llama import abstract_model, params_of
 
 
 def _tokens(vocab: int, length: int, seed: int = 0) -> np.ndarray:
@@ -56,11 +60,45 @@ def test_scaled_rope_matches_transformers_past_the_original_context(scaling, tmp
     assert _max_logit_diff(str(tmp_path), ref, 96) < 1e-4  # 96 positions > 64
 
 
-def test_mistral_matches_transformers_up_to_its_sliding_window(tmp_path):
-    window = 24
-    ref = tiny_mistral(str(tmp_path), sliding_window=window)
-    assert _max_logit_diff(str(tmp_path), ref, window) < 1e-4
-    # One token more and transformers masks the first key from the last query: refused here.
+def _without_windows(path: str, ref, length: int) -> float:
+    """_max_logit_diff of the same weights with every layer attending to all earlier keys."""
+    model = hf.from_pretrained(path, attention="xla")
+    full = dataclasses.replace(model.cfg, sliding_window=None, layer_types=None)
+    graphdef, _, _ = abstract_model(full, attention="xla")
+    tokens = _tokens(full.vocab_size, length)
+    logits = nnx.merge(graphdef, params_of(model)).logits(tokens)
+    return float(np.abs(np.asarray(logits) - hf_logits(ref, tokens)).max())
+
+
+def test_mistral_matches_transformers_past_its_sliding_window(tmp_path):
+    ref = tiny_mistral(str(tmp_path), sliding_window=7)
     model = hf.from_pretrained(str(tmp_path), attention="xla")
-    with pytest.raises(ValueError, match=f"sliding_window {window}"):
-        model.logits(_tokens(model.cfg.vocab_size, window + 1))
+    assert model.cfg.layer_windows() == (7, 7)
+    tokens = _tokens(model.cfg.vocab_size, 29)
+    assert np.abs(np.asarray(model.logits(tokens)) - hf_logits(ref, tokens)).max() < 1e-4
+    assert _without_windows(str(tmp_path), ref, 29) > 1e-2  # the window is what matches
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_qwen2_matches_transformers_with_use_sliding_window(scan_layers, tmp_path):
+    # Windows on the layers from max_window_layers on: a scan over layers of two kinds.
+    ref = tiny_qwen2(
+        str(tmp_path),
+        num_hidden_layers=3,
+        use_sliding_window=True,
+        sliding_window=6,
+        max_window_layers=1,
+    )
+    model = hf.from_pretrained(str(tmp_path), attention="xla", scan_layers=scan_layers)
+    assert model.cfg.layer_windows() == (None, 6, 6)
+    tokens = _tokens(model.cfg.vocab_size, 29)
+    assert np.abs(np.asarray(model.logits(tokens)) - hf_logits(ref, tokens)).max() < 1e-4
+    assert _without_windows(str(tmp_path), ref, 29) > 1e-2
+    # Exported as transformers reads it: the same windows.
+    out = model.cfg.to_hf_dict()
+    assert (out["use_sliding_window"], out["sliding_window"], out["max_window_layers"]) == (
+        True,
+        6,
+        1,
+    )
+    assert ModelConfig.from_hf_dict(out) == model.cfg

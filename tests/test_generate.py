@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from hf_models import tiny_llama, tiny_qwen2, tiny_qwen3
+from hf_models import tiny_gemma3, tiny_llama, tiny_qwen2, tiny_qwen3
 from tiny_tokenizer import write_tiny_tokenizer
 from tokenizers import Tokenizer
 
@@ -26,7 +26,9 @@ EOS = "<eos>"
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
 
-BUILDERS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3}
+# Gemma 3's local layers' window (8) is shorter than the decoded sequences: scanned, a per-layer
+# mask; unrolled, each layer's own window.
+BUILDERS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "gemma3": tiny_gemma3}
 
 
 @pytest.fixture(params=sorted(BUILDERS), scope="module")

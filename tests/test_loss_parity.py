@@ -1,6 +1,6 @@
 """benchmarks/loss_parity.py on CPU: jaxllmq and transformers, from the same weights on the same
 batches with the same AdamW, give the same losses (the peer loss check, at the tiny
-preset and a Qwen3 of its size)."""
+preset, and a Qwen3 and a Gemma 3 of its size)."""
 
 import dataclasses
 import os
@@ -17,6 +17,7 @@ import loss_parity  # noqa: E402
 from loss_parity_peer import run_peer  # noqa: E402
 
 from jaxllmq.model.architecture import preset  # noqa: E402
+from jaxllmq.model.families import FULL, SLIDING  # noqa: E402
 
 STEPS = 10
 # The tiny preset (Llama: untied head), and a Qwen3 of its size: q/k norms, head_dim 48 (query
@@ -32,6 +33,21 @@ FAMILIES = {
         num_attention_heads=8,
         num_key_value_heads=4,
         head_dim=48,
+    ),
+    # A Gemma 3 of the same size from the 4B's config: local layers with windows of 16 (a
+    # quarter of the sequence) around a global one with linear RoPE scaling, a tied head.
+    "gemma-3-4b": dataclasses.replace(
+        preset("gemma-3-4b"),
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64.0,
+        sliding_window=16,
+        layer_types=(SLIDING, SLIDING, FULL, SLIDING),
     ),
 }
 

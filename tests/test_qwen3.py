@@ -74,9 +74,19 @@ def test_the_published_config_reads_as_the_preset():
     assert ModelConfig.from_hf_dict(no_eps).rms_norm_eps == 1e-6  # Qwen's default, not Llama's
 
 
+def test_use_sliding_window_windows_the_layers_from_max_window_layers_on():
+    windowed = dict(QWEN3_06B, use_sliding_window=True, sliding_window=4096, max_window_layers=20)
+    cfg = ModelConfig.from_hf_dict(windowed)
+    assert cfg.layer_windows() == (None,) * 20 + (4096,) * 8
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    # As transformers reads it: no window without use_sliding_window, none from layer 28 of 28.
+    assert not any(
+        ModelConfig.from_hf_dict(dict(windowed, use_sliding_window=False)).layer_windows()
+    )
+    assert ModelConfig.from_hf_dict(dict(windowed, max_window_layers=28)) == preset("qwen3-0.6b")
+
+
 def test_what_qwen3_does_not_implement_is_refused():
-    with pytest.raises(ModelConfigError, match="use_sliding_window=true is not supported"):
-        ModelConfig.from_hf_dict(dict(QWEN3_06B, use_sliding_window=True))
     with pytest.raises(ModelConfigError, match="attention_bias=true is not supported"):
         ModelConfig.from_hf_dict(dict(QWEN3_06B, attention_bias=True))
 

@@ -2,21 +2,30 @@
 
 import dataclasses
 import json
-import math
 import os
 from typing import Any
 
+from jaxllmq.model import families
 from jaxllmq.model.checks import ModelConfigError, check_int, check_number, is_int
-from jaxllmq.model.rope import RopeScaling, read_rope
+from jaxllmq.model.families import GEMMA3, SLIDING
+from jaxllmq.model.rope import RopeScaling, inv_freq, read_rope, scaling_dict
 
-# Architectures whose math is this module's: Llama's decoder (Mistral without its sliding window
-# is the same; Qwen2 adds q/k/v biases; Qwen3 RMS-normalizes each head's q and k before RoPE).
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+# Architectures whose math is this module's: Llama's decoder (Mistral adds a sliding window;
+# Qwen2 q/k/v biases; Qwen3 RMS-normalizes each head's q and k before RoPE; Gemma 3 sandwiches
+# each block in norms of (1 + w), gates with GELU and interleaves local and global layers).
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "MistralForCausalLM",
+    "Qwen3ForCausalLM",
+    GEMMA3,
+)
 _MODEL_TYPE = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
     "Qwen3ForCausalLM": "qwen3",
+    GEMMA3: "gemma3_text",
 }
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -38,8 +47,15 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases: Qwen2's (which always has them) only
-    sliding_window: int | None = None  # Mistral: sequences longer than this are refused
+    # Keys each query reads (its own among them) in a sliding layer: every layer's when
+    # layer_types is None (Mistral), else those marked SLIDING (Qwen2/Qwen3, Gemma 3's local ones).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
     architecture: str = "LlamaForCausalLM"
+    # Gemma 3: attention scale query_pre_attn_scalar ** -0.5; the sliding layers' RoPE theta
+    # (unscaled; rope_theta and rope_scaling are the global layers').
+    query_pre_attn_scalar: float | None = None
+    rope_local_base_freq: float | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
 
@@ -64,6 +80,7 @@ class ModelConfig:
                 check_int(name, getattr(self, name))
         check_number("rms_norm_eps", self.rms_norm_eps, minimum=0.0)
         check_number("rope_theta", self.rope_theta)
+        families.check_layers(self)
         for name in ("tie_word_embeddings", "attention_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ModelConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -96,6 +113,26 @@ class ModelConfig:
             raise ModelConfigError(f"head_dim must be even for RoPE, got {self.dim_per_head}")
 
     @property
+    def is_gemma(self) -> bool:
+        """Gemma 3: norms of (1 + w) before and after each block, GeGLU, scaled embeddings."""
+        return self.architecture == GEMMA3
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window, or None where it attends to every earlier key."""
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.num_hidden_layers
+        return tuple(self.sliding_window if t == SLIDING else None for t in self.layer_types)
+
+    @property
+    def mixed_windows(self) -> bool:
+        """Whether the layers differ in their windows (a scan over them gives each its own)."""
+        return len(set(self.layer_windows())) > 1
+
+    def layer_local_rope(self) -> tuple[bool, ...]:
+        """Whether each layer ropes with rope_local_base_freq (Gemma 3's sliding layers)."""
+        return tuple(self.is_gemma and w is not None for w in self.layer_windows())
+
+    @property
     def dim_per_head(self) -> int:
         """Head dimension Dh, explicit or hidden_size / heads."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
@@ -103,8 +140,8 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         """Whether each head's q and k are RMS-normalized (weights q_norm, k_norm [Dh]) before
-        RoPE, as Qwen3 does."""
-        return self.architecture == "Qwen3ForCausalLM"
+        RoPE, as Qwen3 and Gemma 3 do."""
+        return self.architecture in ("Qwen3ForCausalLM", GEMMA3)
 
     @property
     def model_type(self) -> str:
@@ -124,12 +161,14 @@ class ModelConfig:
             self.num_key_value_heads * self.dim_per_head,
         )
         attn = D * q + 2 * D * kv + q * D + (q + 2 * kv if self.attention_bias else 0)
-        layer = attn + 3 * D * F + 2 * D + (2 * self.dim_per_head if self.qk_norm else 0)
+        norms = (4 if self.is_gemma else 2) * D + (2 * self.dim_per_head if self.qk_norm else 0)
+        layer = attn + 3 * D * F + norms
         return V * D * (1 if self.tie_word_embeddings else 2) + L * layer + D
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, MFU's numerator: 6 x matmul params (LM head included) + 6 x
-        layers x seq_len x query width (causal attention), forward and backward."""
+        layers x seq_len x query width (causal attention), forward and backward; a layer whose
+        window W is shorter than seq_len T reads 2W - W^2/T keys where a causal one reads T."""
         D, F, V, L = (
             self.hidden_size,
             self.intermediate_size,
@@ -141,7 +180,9 @@ class ModelConfig:
             self.num_key_value_heads * self.dim_per_head,
         )
         matmul_params = L * (D * q + 2 * D * kv + q * D + 3 * D * F) + D * V
-        return 6.0 * matmul_params + 6.0 * L * seq_len * q
+        T = seq_len
+        keys = sum(T if w is None or w >= T else 2 * w - w * w / T for w in self.layer_windows())
+        return 6.0 * matmul_params + 6.0 * keys * q
 
     # ---- Hugging Face config.json ----
 
@@ -168,38 +209,41 @@ class ModelConfig:
             raise ModelConfigError(
                 f"architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
             )
+        gemma = families.read_gemma3(d) if arch == GEMMA3 else {}
         act = d.get("hidden_act", "silu")
-        if act != "silu":
+        if act != "silu" and not gemma:
             raise ModelConfigError(f"hidden_act {act!r} is not supported (only silu)")
         if d.get("mlp_bias"):
             raise ModelConfigError("mlp_bias=true is not supported")
-        if arch in _QWEN and d.get("use_sliding_window"):
-            raise ModelConfigError("use_sliding_window=true is not supported")
+        defaults = families.GEMMA3_DEFAULTS if gemma else {}
 
         def get(key: str, default: Any) -> Any:  # absent or null: the default
-            return default if d.get(key) is None else d[key]
+            return defaults.get(key, default) if d.get(key) is None else d[key]
 
         theta, scaling = read_rope(d)
+        window, layer_types = families.read_windows(arch, d)
         heads = d["num_attention_heads"]
-        return cls(
+        fields = dict(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=get("num_key_value_heads", heads),
-            head_dim=d.get("head_dim"),
+            head_dim=get("head_dim", None),
             rms_norm_eps=get("rms_norm_eps", 1e-6 if arch in _QWEN else 1e-5),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=get("max_position_embeddings", 4096),
             tie_word_embeddings=get("tie_word_embeddings", False),
             attention_bias=arch == "Qwen2ForCausalLM" or get("attention_bias", False),
-            sliding_window=d.get("sliding_window") if arch == "MistralForCausalLM" else None,
+            sliding_window=window,
+            layer_types=layer_types,
             architecture=arch,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
         )
+        return cls(**{**fields, **gemma})
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF config.json dict (rope_theta + rope_scaling, read by transformers 4 and 5)."""
@@ -213,7 +257,6 @@ class ModelConfig:
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.dim_per_head,
-            "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": None,
@@ -223,25 +266,11 @@ class ModelConfig:
             "eos_token_id": self.eos_token_id,
             "torch_dtype": "float32",
         }
+        if not self.is_gemma:
+            d["hidden_act"] = "silu"
         if self.rope_scaling is not None:
-            d["rope_scaling"] = {
-                "rope_type": self.rope_scaling.rope_type,
-                "factor": self.rope_scaling.factor,
-            }
-            if self.rope_scaling.rope_type == "llama3":
-                d["rope_scaling"].update(
-                    low_freq_factor=self.rope_scaling.low_freq_factor,
-                    high_freq_factor=self.rope_scaling.high_freq_factor,
-                    original_max_position_embeddings=self.rope_scaling.original_max_position_embeddings,
-                )
-        if self.architecture == "LlamaForCausalLM":
-            d.update(attention_bias=False, mlp_bias=False)
-        elif self.architecture == "Qwen2ForCausalLM":
-            d.update(use_sliding_window=False, sliding_window=None)
-        elif self.architecture == "Qwen3ForCausalLM":
-            d.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
-        else:
-            d.update(sliding_window=self.sliding_window)
+            d["rope_scaling"] = scaling_dict(self.rope_scaling)
+        d.update(families.write_family_fields(self))
         return d
 
     @classmethod
@@ -437,6 +466,7 @@ PRESETS: dict[str, ModelConfig] = {
         num_attention_heads=40,
         tie_word_embeddings=False,
     ),
+    **{name: ModelConfig(**fields) for name, fields in families.GEMMA3_PRESETS.items()},
 }
 
 
@@ -452,29 +482,9 @@ def load_model_config(model: str) -> ModelConfig:
     return ModelConfig.from_hf_dir(model) if os.path.isdir(model) else preset(model)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> list[float]:
-    """Per-pair inverse frequencies (Dh/2 of them), with the config's scaling applied."""
-    dh = cfg.dim_per_head
-    inv = [1.0 / (cfg.rope_theta ** (i / dh)) for i in range(0, dh, 2)]
-    s = cfg.rope_scaling
-    if s is None:
-        return inv
-    if s.rope_type == "linear":
-        return [f / s.factor for f in inv]
-    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between
-    # (Meta's Llama 3.1 reference, as transformers implements it).
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    out = []
-    for f in inv:
-        wavelen = 2 * math.pi / f
-        if wavelen < high_wavelen:
-            out.append(f)
-        elif wavelen > low_wavelen:
-            out.append(f / s.factor)
-        else:
-            smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-                s.high_freq_factor - s.low_freq_factor
-            )
-            out.append((1 - smooth) * f / s.factor + smooth * f)
-    return out
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> list[float]:
+    """Per-pair inverse frequencies (Dh/2 of them): the global layers', with the config's
+    scaling applied, or (`local`) Gemma 3's sliding layers' from rope_local_base_freq."""
+    if local:
+        return inv_freq(cfg.dim_per_head, cfg.rope_local_base_freq, None)
+    return inv_freq(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)

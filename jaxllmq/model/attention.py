@@ -66,19 +66,32 @@ def documents_for(implementation: str, segment_ids_BxT: jax.Array, per_window: i
     return Documents(mask_Bx1xTxT=same_document(segment_ids_BxT))
 
 
+def keys_within(seq_len: int, window: int | jax.Array) -> jax.Array:
+    """bool[T, T]: key j is within the sliding window of query i (i - window < j)."""
+    return jnp.arange(seq_len) > jnp.arange(seq_len)[:, None] - window
+
+
 def attend_documents(
-    q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array, documents: Documents
+    q_BxTxNxH: jax.Array,
+    k_BxTxKxH: jax.Array,
+    v_BxTxKxH: jax.Array,
+    documents: Documents,
+    *,
+    window: int | jax.Array | None = None,
+    scale: float | None = None,
 ) -> jax.Array:
-    """Causal GQA attention within each document: by XLA's mask, or cuDNN's packed layout."""
+    """Causal GQA attention within each document: by XLA's mask, or cuDNN's packed layout; each
+    query also within its sliding `window` if one is given (an int, or under XLA a traced
+    scalar), the logits scaled by `scale` (default 1/sqrt(H))."""
+    T, H = q_BxTxNxH.shape[1], q_BxTxNxH.shape[-1]
     if documents.mask_Bx1xTxT is not None:
+        mask = documents.mask_Bx1xTxT
+        if window is not None:
+            mask = mask & keys_within(T, window)[None, None]
         return jax.nn.dot_product_attention(
-            q_BxTxNxH,
-            k_BxTxKxH,
-            v_BxTxKxH,
-            mask=documents.mask_Bx1xTxT,
-            is_causal=True,
+            q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask=mask, scale=scale, is_causal=True,
             implementation="xla",
-        )
+        )  # fmt: skip
     # jax exposes the packed layout only through its cuDNN module, not jax.nn.
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
@@ -90,6 +103,7 @@ def attend_documents(
         kv_seqlen=documents.lengths_BxM,
         q_offsets=documents.offsets_BxM1,
         kv_offsets=documents.offsets_BxM1,
-        scale=q_BxTxNxH.shape[-1] ** -0.5,
+        scale=H**-0.5 if scale is None else scale,
         mask_type=cudnn.MaskType.PADDING_CAUSAL,
+        sliding_window_length=window,
     )

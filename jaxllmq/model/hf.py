@@ -36,6 +36,8 @@ LAYER_NAMES: dict[str, tuple[str, bool]] = {
     "q_norm": ("model.layers.{i}.self_attn.q_norm.weight", False),
     "k_norm": ("model.layers.{i}.self_attn.k_norm.weight", False),
     "post_attention_layernorm": ("model.layers.{i}.post_attention_layernorm.weight", False),
+    "pre_feedforward_layernorm": ("model.layers.{i}.pre_feedforward_layernorm.weight", False),
+    "post_feedforward_layernorm": ("model.layers.{i}.post_feedforward_layernorm.weight", False),
     "gate_proj": ("model.layers.{i}.mlp.gate_proj.weight", True),
     "up_proj": ("model.layers.{i}.mlp.up_proj.weight", True),
     "down_proj": ("model.layers.{i}.mlp.down_proj.weight", True),

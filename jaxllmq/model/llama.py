@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral) in Flax NNX.
+"""The Llama-family decoder (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral, Gemma 3) in Flax NNX.
 
 Shape letters: B batch, T sequence, D model dim, N query heads, K kv heads, H head dim,
 F ffn dim, V vocab, L layers.
@@ -9,28 +9,35 @@ the same storage serves scanned and unrolled layers, checkpoints and the HF name
 Matrices are stored [in, out] (HF stores [out, in]; hf.py transposes).
 """
 
-import dataclasses
+import functools
 import math
 import operator
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxllmq.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_tee
-from jaxllmq.model import fp8, fp8_delayed
-from jaxllmq.model.architecture import ModelConfig, rope_inv_freq
+from jaxllmq.model import fp8, fp8_delayed, gemma
+from jaxllmq.model.architecture import ModelConfig
 from jaxllmq.model.attention import (
     Documents,
     attend_documents,
     default_documents_per_window,
     documents_for,
+    keys_within,
 )
+from jaxllmq.model.kv_cache import KVCache
+from jaxllmq.model.qkv_grads import can_fuse_qkv_grads, shared_input_matmuls
 from jaxllmq.model.recompute import ATT, FFN, NORM, QKV, RESID, SWIGLU, Recompute
+from jaxllmq.model.rotary import apply_rope, rope_cos_sin
 
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+# A traced per-layer window (layers of several windows under scan) that reads every earlier key.
+ALL_KEYS = int(np.iinfo(np.int32).max)
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> jax.Array:
@@ -57,7 +64,8 @@ class DecoderLayers(nnx.Module):
         def vec(n, axes, fill):
             return nnx.Param(jnp.full((L, n), fill, param_dtype), axes=("layers", axes))
 
-        self.input_layernorm = vec(D, "norm", 1.0)
+        one = 0.0 if cfg.is_gemma else 1.0  # Gemma's norms multiply by (1 + w)
+        self.input_layernorm = vec(D, "norm", one)
         self.q_proj = mat((D, NH), ("embed", "q_heads"))
         self.k_proj = mat((D, KH), ("embed", "kv_heads"))
         self.v_proj = mat((D, KH), ("embed", "kv_heads"))
@@ -67,9 +75,12 @@ class DecoderLayers(nnx.Module):
             self.k_bias = vec(KH, "kv_heads", 0.0)
             self.v_bias = vec(KH, "kv_heads", 0.0)
         if cfg.qk_norm:
-            self.q_norm = vec(cfg.dim_per_head, "head_dim", 1.0)
-            self.k_norm = vec(cfg.dim_per_head, "head_dim", 1.0)
-        self.post_attention_layernorm = vec(D, "norm", 1.0)
+            self.q_norm = vec(cfg.dim_per_head, "head_dim", one)
+            self.k_norm = vec(cfg.dim_per_head, "head_dim", one)
+        self.post_attention_layernorm = vec(D, "norm", one)
+        if cfg.is_gemma:
+            self.pre_feedforward_layernorm = vec(D, "norm", one)
+            self.post_feedforward_layernorm = vec(D, "norm", one)
         self.gate_proj = mat((D, F), ("embed", "mlp"))
         self.up_proj = mat((D, F), ("embed", "mlp"))
         self.down_proj = mat((F, D), ("mlp", "embed"), out_std)
@@ -79,114 +90,30 @@ class DecoderLayers(nnx.Module):
         return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVCache:
-    """The keys and values of the tokens so far, for decoding a few tokens at a time.
-
-    k, v [L, B, S, K, H] in the compute dtype, S the most tokens it holds; length [L] int32, the
-    positions filled (the same in every layer), so the next tokens are at length, length + 1, ...
-    Indexed or scanned over L like the stacked layers: one layer's has k, v [B, S, K, H] and a
-    scalar length. Slots from length on are never read before tokens write them.
-    """
-
-    k: jax.Array
-    v: jax.Array
-    length: jax.Array
-
-    @classmethod
-    def empty(cls, cfg: ModelConfig, batch: int, max_len: int, dtype) -> "KVCache":
-        """A cache for `batch` sequences of up to `max_len` tokens, none yet."""
-        L = cfg.num_hidden_layers
-        zeros = jnp.zeros((L, batch, max_len, cfg.num_key_value_heads, cfg.dim_per_head), dtype)
-        return cls(zeros, zeros, jnp.zeros((L,), jnp.int32))
-
-    def truncate(self, length: jax.Array | int) -> "KVCache":
-        """The cache of the first `length` tokens only (the next ones overwrite the rest)."""
-        return dataclasses.replace(self, length=jnp.full_like(self.length, length))
-
-    def append(self, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array) -> "KVCache":
-        """One layer's cache with T more tokens' keys and values, written at `length`."""
-        start = (0, self.length, 0, 0)
-        return KVCache(
-            jax.lax.dynamic_update_slice(self.k, k_BxTxKxH.astype(self.k.dtype), start),
-            jax.lax.dynamic_update_slice(self.v, v_BxTxKxH.astype(self.v.dtype), start),
-            self.length + k_BxTxKxH.shape[1],
-        )
-
-
-def rope_cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos and sin tables [..., H] for the given integer positions, fp32 (HF's half-split layout)."""
-    inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rope(x_BxTxNxH: jax.Array, cos_BxTxH: jax.Array, sin_BxTxH: jax.Array) -> jax.Array:
-    """Rotate pairs (i, i + H/2) by the position's angle; fp32 math, result in x's dtype."""
-    x = x_BxTxNxH.astype(jnp.float32)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    cos, sin = cos_BxTxH[:, :, None, :], sin_BxTxH[:, :, None, :]
-    return (x * cos + rotated * sin).astype(x_BxTxNxH.dtype)
-
-
-@jax.custom_vjp
-def shared_input_matmuls(x: jax.Array, ws: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    """(x @ w for w in ws), whose input gradient is one GEMM over the concatenated weights.
-
-    Differentiated one by one, q, k and v each give x a gradient of their own (at K=512 for the
-    1B's k and v, where cuBLAS runs at 440-540 TFLOP/s against 740), summed by separate adds.
-    Here the backward concatenates the outputs' gradients (a copy XLA fuses into the RoPE
-    backward that writes them) and the weights (a few MiB), and runs one GEMM with K the total
-    width; the weights' gradients are one GEMM too, split by columns. The forward is unchanged:
-    XLA already runs the three products as one GEMM.
-    """
-    return tuple(x @ w for w in ws)
-
-
-def _shared_input_matmuls_fwd(x, ws):
-    return shared_input_matmuls(x, ws), (x, ws)
-
-
-def _shared_input_matmuls_bwd(res, cts):
-    x, ws = res
-    d_all = jnp.concatenate(cts, axis=-1)
-    dx = d_all @ jnp.concatenate(ws, axis=1).T
-    batch = tuple(range(x.ndim - 1))
-    dw_all = jax.lax.dot_general(x, d_all, ((batch, batch), ((), ())))
-    ends = [w.shape[1] for w in ws]
-    splits = [sum(ends[: i + 1]) for i in range(len(ws) - 1)]
-    return dx.astype(x.dtype), tuple(jnp.split(dw_all.astype(ws[0].dtype), splits, axis=1))
-
-
-shared_input_matmuls.defvjp(_shared_input_matmuls_fwd, _shared_input_matmuls_bwd)
-
-
 def resolve_attention(
     attention: str,
     dtype,
     *,
     platform: str | None = None,
     deterministic: bool = False,
+    per_layer_windows: bool = False,
 ) -> str:
     """'auto' -> cuDNN's fused attention on GPU (`platform`, default jax's backend) in bf16/fp16
     (packed documents too, as its segments), XLA's otherwise, and XLA's under XLA's
-    deterministic ops (cuDNN's crashes under them)."""
+    deterministic ops (cuDNN's crashes under them) or with `per_layer_windows` (layers of
+    several sliding windows scanned: that mask runs in XLA's attention only)."""
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
     if attention != "auto":
         return attention
     on_gpu = (platform or jax.default_backend()) in ("gpu", "cuda")
-    fused = on_gpu and not deterministic and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    fused = (
+        on_gpu
+        and not deterministic
+        and not per_layer_windows
+        and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    )
     return "cudnn" if fused else "xla"
-
-
-def can_fuse_qkv_grads(linear_dtype: str | None) -> bool:
-    """Whether q/k/v's input gradient can be one GEMM (shared_input_matmuls): with plain
-    matmuls, not fp8 block linears."""
-    return linear_dtype is None
 
 
 def attend(
@@ -197,25 +124,52 @@ def attend(
     *,
     implementation: str,
     documents: Documents | None = None,
+    window: int | jax.Array | None = None,
+    scale: float | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Causal GQA attention (K kv heads serve N/K query heads each; cuDNN's fused kernel on GPU),
     and the cache, if any, holding these tokens' keys and values too.
 
     `documents` (attention.documents_for `implementation`): each query also reads only its own
-    document's keys. With one layer's cache the queries are at positions cache.length.., and
-    each reads the cached keys up to its own position."""
+    document's keys. `window`: the query at position p reads keys p - window < j <= p only
+    (transformers' sliding window); an int, or a traced scalar (a scan over layers of several
+    windows; ALL_KEYS: no window) that only XLA's attention takes, as a mask. `scale`: the
+    logits' (default 1/sqrt(H)). With one layer's cache the queries are at positions
+    cache.length.., and each reads the cached keys up to its own position."""
+    traced = window is not None and not isinstance(window, int)
+    if traced and implementation != "xla":
+        raise ValueError(f"a per-layer window needs XLA's attention, not {implementation!r}")
     if documents is not None:
-        return attend_documents(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, documents), cache
+        o_BxTxNxH = attend_documents(
+            q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, documents, window=window, scale=scale
+        )
+        return o_BxTxNxH, cache
     if cache is None:
+        mask = keys_within(q_BxTxNxH.shape[1], window)[None, None] if traced else None
         o_BxTxNxH = jax.nn.dot_product_attention(
-            q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True, implementation=implementation
+            q_BxTxNxH,
+            k_BxTxKxH,
+            v_BxTxKxH,
+            mask=mask,
+            scale=scale,
+            is_causal=True,
+            local_window_size=None if window is None or traced else (window - 1, 0),
+            implementation=implementation,
         )
         return o_BxTxNxH, None
     T, S = q_BxTxNxH.shape[1], cache.k.shape[1]
-    visible_TxS = jnp.arange(S) <= (cache.length + jnp.arange(T))[:, None]
+    positions_Tx1 = (cache.length + jnp.arange(T))[:, None]
+    visible_TxS = jnp.arange(S) <= positions_Tx1
+    if window is not None:
+        visible_TxS &= jnp.arange(S) > positions_Tx1 - window
     cache = cache.append(k_BxTxKxH, v_BxTxKxH)
     o_BxTxNxH = jax.nn.dot_product_attention(
-        q_BxTxNxH, cache.k, cache.v, mask=visible_TxS[None, None], implementation=implementation
+        q_BxTxNxH,
+        cache.k,
+        cache.v,
+        mask=visible_TxS[None, None],
+        scale=scale,
+        implementation=implementation,
     )
     return o_BxTxNxH, cache
 
@@ -235,9 +189,11 @@ def decoder_layer(
     fuse_qkv_grads: bool = False,
     cache: KVCache | None = None,
     documents: Documents | None = None,
+    window: int | jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
-    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). Params cast to `dtype` here.
-    Returns the block's output and `cache` (one layer's, for decoding) with these tokens added.
+    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)) (Gemma's: each sublayer's
+    output normed too, before the add). Params cast to `dtype` here. Returns the block's output
+    and `cache` (one layer's, for decoding) with these tokens added. `window`: attend's.
 
     `linear(x, w, name)` is the q/k/v/o/gate/up/down matmul: `@` in `dtype`, or fp8
     (model/fp8.py, model/fp8_delayed.py, which needs the weight's name for its scales).
@@ -250,12 +206,18 @@ def decoder_layer(
     N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_per_head
     w = {k: v.astype(dtype) for k, v in p.items()}
     eps = cfg.rms_norm_eps
+    fuse_residual_norm = fuse_residual_norm and not cfg.is_gemma
+
+    def norm(x, name):  # Gemma's from the stored weight, in fp32: gemma.rms_norm
+        if cfg.is_gemma:
+            return gemma.rms_norm(x, p[name], eps)
+        return rms_norm(x, w[name], eps, impl=norm_impl)
 
     if fuse_residual_norm:
         # The residual stream's gradient joins the norm's in its backward kernel (under pallas).
         h_BxTxD, x_BxTxD = rms_norm_tee(x_BxTxD, w["input_layernorm"], eps, impl=norm_impl)
     else:
-        h_BxTxD = rms_norm(x_BxTxD, w["input_layernorm"], eps, impl=norm_impl)
+        h_BxTxD = norm(x_BxTxD, "input_layernorm")
     h_BxTxD = checkpoint_name(h_BxTxD, NORM)
     if fuse_qkv_grads:
         q, k, v = shared_input_matmuls(h_BxTxD, (w["q_proj"], w["k_proj"], w["v_proj"]))
@@ -265,9 +227,9 @@ def decoder_layer(
         v = linear(h_BxTxD, w["v_proj"], "v_proj")
     if cfg.attention_bias:
         q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
-    if cfg.qk_norm:  # each head's q and k RMS-normalized, before RoPE (Qwen3)
-        q = rms_norm(q.reshape(B, T, N, H), w["q_norm"], eps, impl=norm_impl)
-        k = rms_norm(k.reshape(B, T, K, H), w["k_norm"], eps, impl=norm_impl)
+    if cfg.qk_norm:  # each head's q and k RMS-normalized, before RoPE (Qwen3, Gemma 3)
+        q = norm(q.reshape(B, T, N, H), "q_norm")
+        k = norm(k.reshape(B, T, K, H), "k_norm")
     q_BxTxNxH = checkpoint_name(apply_rope(q.reshape(B, T, N, H), cos_BxTxH, sin_BxTxH), QKV)
     k_BxTxKxH = checkpoint_name(apply_rope(k.reshape(B, T, K, H), cos_BxTxH, sin_BxTxH), QKV)
     v_BxTxKxH = checkpoint_name(v.reshape(B, T, K, H), QKV)
@@ -278,10 +240,15 @@ def decoder_layer(
         cache,
         implementation=attention,
         documents=documents,
+        window=window,
+        scale=cfg.query_pre_attn_scalar**-0.5 if cfg.is_gemma else None,
     )
     o_BxTxNxH = checkpoint_name(o_BxTxNxH, ATT)
     o_BxTxD = linear(o_BxTxNxH.reshape(B, T, N * H), w["o_proj"], "o_proj")
-    if fuse_residual_norm:
+    if cfg.is_gemma:
+        x_BxTxD = checkpoint_name(x_BxTxD + norm(o_BxTxD, "post_attention_layernorm"), RESID)
+        h_BxTxD = norm(x_BxTxD, "pre_feedforward_layernorm")
+    elif fuse_residual_norm:
         # The residual add and the norm in one pass (one Pallas kernel under --kernels=pallas).
         h_BxTxD, x_BxTxD = add_rms_norm(
             x_BxTxD, o_BxTxD, w["post_attention_layernorm"], eps, impl=norm_impl
@@ -291,12 +258,16 @@ def decoder_layer(
         # Under a recompute policy the norm must read the residual by its name, which the policy
         # saves or offloads; a fused sum it cannot keep would be rebuilt through the o_proj GEMM.
         x_BxTxD = checkpoint_name(x_BxTxD + o_BxTxD, RESID)
-        h_BxTxD = rms_norm(x_BxTxD, w["post_attention_layernorm"], eps, impl=norm_impl)
+        h_BxTxD = norm(x_BxTxD, "post_attention_layernorm")
     h_BxTxD = checkpoint_name(h_BxTxD, NORM)
     gate_BxTxF = checkpoint_name(linear(h_BxTxD, w["gate_proj"], "gate_proj"), FFN)
     up_BxTxF = checkpoint_name(linear(h_BxTxD, w["up_proj"], "up_proj"), FFN)
-    swiglu_BxTxF = checkpoint_name(jax.nn.silu(gate_BxTxF) * up_BxTxF, SWIGLU)
-    return x_BxTxD + linear(swiglu_BxTxF, w["down_proj"], "down_proj"), cache
+    act = gemma.gelu_tanh if cfg.is_gemma else jax.nn.silu
+    swiglu_BxTxF = checkpoint_name(act(gate_BxTxF) * up_BxTxF, SWIGLU)
+    mlp_BxTxD = linear(swiglu_BxTxF, w["down_proj"], "down_proj")
+    if cfg.is_gemma:
+        mlp_BxTxD = norm(mlp_BxTxD, "post_feedforward_layernorm")
+    return x_BxTxD + mlp_BxTxD, cache
 
 
 class Llama(nnx.Module):
@@ -336,7 +307,9 @@ class Llama(nnx.Module):
         self.fuse_qkv_grads = fuse_qkv_grads and can_fuse_qkv_grads(linear_dtype)
         fp8.linear_fn(linear_dtype, gradient_dtype)  # unknown names fail here, not in a trace
         self.scan_layers = scan_layers
-        self.attention = resolve_attention(attention, dtype)
+        self.attention = resolve_attention(
+            attention, dtype, per_layer_windows=scan_layers and cfg.mixed_windows
+        )
         # Packed documents kept apart in a window (attention.documents_for), if segment ids come.
         self.documents_per_window = documents_per_window
         self.norm_impl = norm_impl  # RMSNorm: "xla" or "pallas" (kernels.resolve_impl)
@@ -358,7 +331,9 @@ class Llama(nnx.Module):
         self.layers = DecoderLayers(
             cfg, param_dtype=param_dtype, init_proj_to_zero=init_proj_to_zero, rngs=rngs
         )
-        self.norm = nnx.Param(jnp.ones((D,), param_dtype), axes=("norm",))
+        self.norm = nnx.Param(
+            jnp.full((D,), 0.0 if cfg.is_gemma else 1.0, param_dtype), axes=("norm",)
+        )
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Param(
                 _normal(rngs, (D, V), 0.02, param_dtype), axes=("embed", "vocab")
@@ -396,21 +371,26 @@ class Llama(nnx.Module):
         """__call__'s hidden states, and the cache, if any, with these tokens added."""
         cfg = self.cfg
         B, T = tokens_BxT.shape
-        if cfg.sliding_window is not None and T > cfg.sliding_window:
-            raise ValueError(
-                f"sequence length {T} exceeds the model's sliding_window {cfg.sliding_window}, "
-                "which this trainer does not implement; use --seq_len <= sliding_window"
-            )
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        cos, sin = rope_cos_sin(cfg, positions_BxT)
+        ropes = {False: rope_cos_sin(cfg, positions_BxT)}
+        if any(cfg.layer_local_rope()):
+            ropes[True] = rope_cos_sin(cfg, positions_BxT, local=True)
         documents = None
         if segment_ids_BxT is not None:
             per_window = self.documents_per_window or default_documents_per_window(T)
             documents = documents_for(self.attention, segment_ids_BxT, per_window)
         x_BxTxD = self.constrain(self.embed(tokens_BxT))
 
-        def layer(x, p, amax, cache):
+        def layer(x, p, amax, cache, window, local):
+            """One layer; `window` and `local` (Gemma's local RoPE) static, or traced in a scan
+            over layers of several kinds (the window then ALL_KEYS for a global layer)."""
+            if isinstance(local, bool) or len(ropes) == 1:
+                cos, sin = ropes[local is True]
+            else:
+                cos, sin = (
+                    jnp.where(local, a, b) for a, b in zip(ropes[True], ropes[False], strict=True)
+                )
             if amax is None:
                 linear = fp8.linear_fn(self.linear_dtype, self.gradient_dtype, self.fp8_quantizer)
             else:
@@ -431,15 +411,26 @@ class Llama(nnx.Module):
                 fuse_qkv_grads=self.fuse_qkv_grads,
                 cache=cache,
                 documents=documents,
+                window=window,
             )
             return self.constrain(x), cache
 
         # Inside scan, CSE cannot merge the recomputation into the forward: no barrier needed.
-        layer = self.recompute.wrap(layer, prevent_cse=not self.scan_layers)
+        wrap = functools.partial(self.recompute.wrap, prevent_cse=not self.scan_layers)
+        kinds = list(zip(cfg.layer_windows(), cfg.layer_local_rope(), strict=True))
         stacked = self.layers.arrays()
-        if self.scan_layers:
+        if self.scan_layers and not cfg.mixed_windows:
+            scanned = wrap(functools.partial(layer, window=kinds[0][0], local=kinds[0][1]))
             x_BxTxD, cache = jax.lax.scan(
-                lambda x, pac: layer(x, *pac), x_BxTxD, (stacked, fp8_amax, cache)
+                lambda x, pac: scanned(x, *pac), x_BxTxD, (stacked, fp8_amax, cache)
+            )
+        elif self.scan_layers:  # each layer's window and RoPE kind scanned with its weights
+            windows = jnp.array([w or ALL_KEYS for w, _ in kinds])
+            local = jnp.array([lo for _, lo in kinds])
+            x_BxTxD, cache = jax.lax.scan(
+                lambda x, pack: wrap(layer)(x, *pack),
+                x_BxTxD,
+                (stacked, fp8_amax, cache, windows, local),
             )
         else:
             # One split per stacked weight rather than an index per layer: the split's gradient
@@ -448,20 +439,22 @@ class Llama(nnx.Module):
             n = cfg.num_hidden_layers
             per_layer = {k: [p[0] for p in jnp.split(v, n)] for k, v in stacked.items()}
             layer_caches = []
-            for i in range(n):
+            for i, (w, lo) in enumerate(kinds):
                 amax, layer_cache = jax.tree.map(operator.itemgetter(i), (fp8_amax, cache))
-                x_BxTxD, layer_cache = layer(
+                x_BxTxD, layer_cache = wrap(functools.partial(layer, window=w, local=lo))(
                     x_BxTxD, {k: v[i] for k, v in per_layer.items()}, amax, layer_cache
                 )
                 layer_caches.append(layer_cache)
             cache = jax.tree.map(lambda *c: jnp.stack(c), *layer_caches)  # None stays None
+        if cfg.is_gemma:
+            return gemma.rms_norm(x_BxTxD, self.norm[...], cfg.rms_norm_eps), cache
         h_BxTxD = rms_norm(
             x_BxTxD, self.norm[...].astype(self.dtype), cfg.rms_norm_eps, impl=self.norm_impl
         )
         return h_BxTxD, cache
 
     def embed(self, tokens_BxT: jax.Array) -> jax.Array:
-        """The tokens' embeddings [B, T, D] in the compute dtype.
+        """The tokens' embeddings [B, T, D] in the compute dtype (Gemma's times sqrt(D)).
 
         The table's gradient is a scatter-add of the tokens' gradients. With the batch split over
         devices, each device scatters its own tokens and the dense [V, D] sums are reduced across
@@ -471,10 +464,16 @@ class Llama(nnx.Module):
         scatter-adds all of them: the table's gradient needs no reduction.
         """
         table_VxD = self.embed_tokens[...]
+
+        def lookup(tokens_BxT):  # Gemma's scaled in the table's dtype, as transformers does
+            rows_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0)
+            if self.cfg.is_gemma:
+                rows_BxTxD = gemma.scale_embeddings(rows_BxTxD)
+            return rows_BxTxD.astype(self.dtype)
+
         if tokens_BxT.size >= self.gather_embed_below:
-            return jnp.take(table_VxD, tokens_BxT, axis=0).astype(self.dtype)
-        tokens_BxT = self.replicate(tokens_BxT)
-        return self.replicate(jnp.take(table_VxD, tokens_BxT, axis=0).astype(self.dtype))
+            return lookup(tokens_BxT)
+        return self.replicate(lookup(self.replicate(tokens_BxT)))
 
     def logits(
         self,

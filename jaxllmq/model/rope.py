@@ -1,6 +1,7 @@
 """RoPE scaling: the kinds implemented (linear, llama3), as read from an HF config.json."""
 
 import dataclasses
+import math
 from typing import Any
 
 from jaxllmq.model.checks import ModelConfigError, check_int, check_number
@@ -57,3 +58,42 @@ def read_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     fields = {k: scaling[k] for k in dataclasses.asdict(RopeScaling("linear")) if k in scaling}
     fields["rope_type"] = rope_type
     return float(theta), RopeScaling(**fields)
+
+
+def scaling_dict(s: RopeScaling) -> dict[str, Any]:
+    """config.json's rope_scaling object for `s`."""
+    d: dict[str, Any] = {"rope_type": s.rope_type, "factor": s.factor}
+    if s.rope_type == "llama3":
+        d.update(
+            low_freq_factor=s.low_freq_factor,
+            high_freq_factor=s.high_freq_factor,
+            original_max_position_embeddings=s.original_max_position_embeddings,
+        )
+    return d
+
+
+def inv_freq(head_dim: int, theta: float, s: RopeScaling | None) -> list[float]:
+    """Per-pair inverse frequencies (head_dim/2 of them) of base `theta`, `s` applied."""
+    dh = head_dim
+    inv = [1.0 / (theta ** (i / dh)) for i in range(0, dh, 2)]
+    if s is None:
+        return inv
+    if s.rope_type == "linear":
+        return [f / s.factor for f in inv]
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between
+    # (Meta's Llama 3.1 reference, as transformers implements it).
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    out = []
+    for f in inv:
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            out.append(f)
+        elif wavelen > low_wavelen:
+            out.append(f / s.factor)
+        else:
+            smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+                s.high_freq_factor - s.low_freq_factor
+            )
+            out.append((1 - smooth) * f / s.factor + smooth * f)
+    return out
