@@ -5,7 +5,8 @@ the benchmark's MFU is in a sane range.
 
 The comparisons compile with XLA's deterministic ops (and so XLA's attention) so that two
 programs can be compared bit for bit: without them GPU runs differ from their first steps
-(atomics in the scatter-adds), see docs/PERFORMANCE.md.
+(atomics in the scatter-adds), see
+docs/experiments/2026-11-30-determinism.md.
 """
 
 import functools
