@@ -5,8 +5,7 @@ the benchmark's MFU is in a sane range.
 
 The comparisons compile with XLA's deterministic ops (and so XLA's attention) so that two
 programs can be compared bit for bit: without them GPU runs differ from their first steps
-(atomics in the scatter-adds), see
-docs/experiments/2026-11-30-determinism.md.
+(atomics in the scatter-adds; docs/experiments/2026-11-30-determinism.md).
 """
 
 import functools
@@ -29,6 +28,7 @@ from jaxllmq.offload import Offload
 from jaxllmq.parallel.mesh import make_mesh
 from jaxllmq.plan import plan_for
 from jaxllmq.settings import DataConfig, MeshConfig, ModelSpec, OptimConfig
+from jaxllmq.xla_flags import HOST_MEMORY_LIMIT
 
 pytestmark = pytest.mark.gpu
 
@@ -62,8 +62,9 @@ def train(batches, *, zero_level=1, compile_options=None, **spec_kw):
     return losses, state, plan
 
 
-def same_batch_losses(**kw) -> list[float]:
-    """STEPS steps on one batch of 2 micro-batches (gradient accumulation), deterministic ops."""
+def same_batch_losses(**kw):
+    """`train` for STEPS steps on one batch of 2 micro-batches (gradient accumulation), with
+    XLA's deterministic ops."""
     batch = synthetic_batch(load_model_config("tiny"), 2, 4, 128, seed=7)
     kw = {"deterministic": True, "compile_options": DETERMINISTIC_OPS, **kw}
     return train([batch] * STEPS, **kw)
@@ -112,7 +113,8 @@ def test_zero_levels_give_the_plain_losses(zero_level):
 def _bench_losses(*flags: str) -> list[float]:
     """The benchmark command's logged losses, in a process of its own (XLA reads its flags
     when the backend starts)."""
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # beside this process's pool
+    # Beside this process's memory: no device pool of its own, a small pinned host pool.
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", HOST_MEMORY_LIMIT: "8"}
     argv = [sys.executable, "-m", "jaxllmq.bench", "--json", "--measure_matmul_ceiling=false"]
     out = subprocess.run([*argv, *flags], env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
