@@ -46,6 +46,7 @@ class Run:
     peer: bool = False  # benchmarks/peer_torch.py instead of jaxllmq.bench
     base: str | None = None  # the label of the run it is compared with
     per_gpu: bool = False  # compared per GPU: tokens/s / (GPUs x the base's)
+    package: str | None = None  # --ab: the directory whose jaxllmq/ the run imports
 
 
 COMMON = ("--json", "--measure_matmul_ceiling=false", "--bench_steps=15")
@@ -133,6 +134,7 @@ RECIPES = {"shapes": shapes, "kernels": kernels, "scaling": scaling, "fp8": fp8,
 
 
 FLAGS = flags.FLAGS
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def define_flags() -> None:
@@ -142,6 +144,24 @@ def define_flags() -> None:
     flags.DEFINE_bool("dry_run", False, "Print each run's command; run nothing.")
     flags.DEFINE_integer("gpus", None, "GPUs to use (default: all, from nvidia-smi -L).")
     flags.DEFINE_integer("run_timeout_s", 580, "Seconds before a run is stopped.")
+    flags.DEFINE_list(
+        "ab",
+        None,
+        "DIR_A,DIR_B: each run twice, importing the jaxllmq/ package in DIR_A, then DIR_B's, "
+        "compared B against A (e.g. `git archive REV jaxllmq | tar -x -C DIR`). With several "
+        "GPUs the two may run on different ones (they differ by up to 1.5%): --gpus=1 for one.",
+    )
+
+
+def ab_runs(runs: list[Run], package_a: str, package_b: str) -> list[Run]:
+    """Each run with package A, then with package B against it (the recipes' own bases give way
+    to the A/B comparison)."""
+    out = []
+    for r in runs:
+        a = dataclasses.replace(r, label=f"{r.label} [A]", package=package_a, base=None)
+        b = dataclasses.replace(r, label=f"{r.label} [B]", package=package_b, base=a.label)
+        out += [dataclasses.replace(x, per_gpu=False) for x in (a, b)]
+    return out
 
 
 def command(run: Run, process: int = 0, port: int = 0) -> list[str]:
@@ -177,10 +197,14 @@ def execute(run: Run, devices: list[int], timeout_s: int) -> dict:
     procs = []
     for i, group in enumerate(groups):
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, group))}
+        if run.package:  # run from it (-m puts the working directory first), benchmarks/ from here
+            path = [run.package, ROOT, os.environ.get("PYTHONPATH", "")]
+            env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
         procs.append(
             subprocess.Popen(
                 command(run, i, port),
                 env=env,
+                cwd=run.package,
                 text=True,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -268,6 +292,12 @@ def main(argv: list[str]) -> None:
         sys.exit(f"error: --recipes takes some of {', '.join(RECIPES)} (got {','.join(names)})")
     gpus = FLAGS.gpus if FLAGS.gpus is not None else gpu_count()
     runs = [r for n in names for r in RECIPES[n](max(gpus, 1))]
+    if FLAGS.ab:
+        if len(FLAGS.ab) != 2 or not all(
+            os.path.isdir(os.path.join(d, "jaxllmq")) for d in FLAGS.ab
+        ):
+            sys.exit("error: --ab takes DIR_A,DIR_B, two directories that each hold a jaxllmq/")
+        runs = ab_runs(runs, *map(os.path.abspath, FLAGS.ab))
     if FLAGS.dry_run:
         for r in runs:
             where = f"{r.processes} processes" if r.processes > 1 else f"{r.gpus} GPU(s)"

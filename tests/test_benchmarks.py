@@ -65,6 +65,17 @@ def test_the_table_compares_each_run_with_its_base():
     assert line("e4m3").split()[1:5] == ["1,300", "-", "60.0%", "30.0%"]  # its base did not run
 
 
+def test_ab_runs_each_run_with_both_packages_b_against_a():
+    runs = run.ab_runs(run.scaling(2)[:2], "/a", "/b")
+    assert [(r.label, r.package, r.base) for r in runs] == [
+        ("1 GPU [A]", "/a", None),
+        ("1 GPU [B]", "/b", "1 GPU [A]"),
+        ("2 GPUs ZeRO-1 [A]", "/a", None),
+        ("2 GPUs ZeRO-1 [B]", "/b", "2 GPUs ZeRO-1 [A]"),
+    ]
+    assert not any(r.per_gpu for r in runs) and runs[3].gpus == 2
+
+
 def test_command_line():
     def runner(*args):
         cmd = [sys.executable, "-m", "benchmarks.run", *args]
@@ -75,6 +86,9 @@ def test_command_line():
     lines = out.stdout.splitlines()
     assert len(lines) == len(run.kernels(1)) + len(run.offload(1))
     assert "-m jaxllmq.bench --json" in lines[0] and "--kernels=auto" in lines[0]
+    assert runner("--recipes=fp8", "--ab=/nonexistent,.", "--dry_run").stderr.strip() == (
+        "error: --ab takes DIR_A,DIR_B, two directories that each hold a jaxllmq/"
+    )
     bad = runner("--recipes=speed")
     assert bad.returncode == 1
     assert bad.stderr.strip().splitlines() == [
