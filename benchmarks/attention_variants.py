@@ -1,23 +1,24 @@
 """GPU: causal attention's forward and backward, as the model calls it and the other ways at hand,
 timed alone at the presets' shapes (bf16, q [B, T, N, H], k and v [B, T, K, H]).
 
-    python3 benchmarks/attention_variants.py               # every shape and variant
-    python3 benchmarks/attention_variants.py --shapes=1b   # the 1B's only
+    python3 -m benchmarks.attention_variants             # every shape and variant
+    python3 -m benchmarks.attention_variants --shapes=1b   # the 1B's only
 
 Rows, per shape: cuDNN's fused kernel with GQA (jax.nn.dot_product_attention, the model's call);
 the same with k and v repeated to N heads first (cuDNN's MHA kernels; the repeat's backward sums
 the heads' gradients); on the 1B's shape also cuDNN with the heads-major BNTH layout, jax's
 Pallas (Triton) flash attention on repeated k and v, and the forward alone, cuDNN's against
 jax's Mosaic GPU kernel (in float16, the dtype its kernel stages through; its backward has no
-causal mask). Each row gives the median ms of --reps calls, TFLOP/s (causal:
+causal mask). Each row gives the median ms of a call (bench.time_calls), TFLOP/s (causal:
 half the square; backward 2.5x the forward), and its largest difference from the model's call.
 """
 
-import argparse
-
 import jax
 import jax.numpy as jnp
-from kernels import timed  # benchmarks/kernels.py, beside this script
+from absl import app, flags
+
+from jaxllmq.bench import time_calls
+from jaxllmq.cli import flags as cli_flags
 
 SHAPES = {  # name: (B, T, N, K, H), 16384 tokens each
     "1b": (8, 2048, 32, 8, 64),
@@ -82,14 +83,16 @@ def forward_backward(attn):
     return f
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
-    p.add_argument("--reps", type=int, default=20)
-    args = p.parse_args()
+_shapes = flags.DEFINE_list("shapes", list(SHAPES), f"Of {', '.join(SHAPES)}.")
+_reps = flags.DEFINE_integer("reps", 20, "Calls per timed batch (the median of 5 batches).")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
     if jax.default_backend() != "gpu":
-        raise SystemExit("attention_variants.py: needs a GPU (cuDNN's fused attention)")
-    names = args.shapes.split(",")
+        raise SystemExit("attention_variants: needs a GPU (cuDNN's fused attention)")
+    names = _shapes.value
     if unknown := sorted(set(names) - set(SHAPES)):
         raise SystemExit(f"--shapes: unknown {unknown}; choose from {', '.join(SHAPES)}")
     diff = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
@@ -123,7 +126,7 @@ def main() -> None:
             else:
                 ref = out if ref is None else ref
                 err = max(diff(a, b) for a, b in zip(out, ref, strict=True))
-            ms = 1e3 * timed(f, operands, iters=args.reps, batch=1)[0]
+            ms = 1e3 * time_calls(lambda f=f, operands=operands: f(*operands), calls=_reps.value)
             flop = fwd_flop * (1 if fwd_only else 3.5)
             rows.append((name, label, ms, flop / ms / 1e9, f"max diff {err:.3g}"))
             print(f"{name} {label}: {ms:.3f} ms", flush=True)
@@ -133,4 +136,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main, flags_parser=cli_flags.parse_argv)

@@ -1,6 +1,6 @@
 """What an async checkpoint costs the training loop: llama-3.2-1b, B=8, T=2048, one GPU.
 
-    export PYTHONPATH=$PWD; PYTHONUNBUFFERED=1 python3 benchmarks/checkpoint_overhead.py [--out=DIR]
+    python3 -m benchmarks.checkpoint_overhead [--out=DIR]
 
 Builds the real state and step (train.build, as the trainer and bench do) on synthetic tokens and
 times, each step synchronized:

@@ -1,7 +1,7 @@
 """Bus bandwidth of the collectives the ZeRO levels use, on this process's devices, alone.
 
-    python3 benchmarks/collectives.py                   # GPU: 16 MiB .. 1 GiB, bf16
-    python3 benchmarks/collectives.py --smoke           # CPU: 8 fake devices, tiny sizes
+    python3 -m benchmarks.collectives                 # GPU: 16 MiB .. 1 GiB, bf16
+    python3 -m benchmarks.collectives --smoke           # CPU: 8 fake devices, tiny sizes
 
 Times all-reduce (ZeRO-1's gradient reduction), reduce-scatter (ZeRO-2/3's) and all-gather (the
 parameters after a ZeRO-1/2 update, ZeRO-3's per-layer gathers) under shard_map, with nothing
@@ -11,30 +11,31 @@ per-layer all-reduces at about 100 GB/s; this says whether that is what the link
 is left of them beside the GEMMs. NCCL settings pass through the environment (NCCL_PROTO, ...).
 """
 
-import argparse
 import functools
 import json
 import os
-import statistics
 import sys
-import time
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxllmq import xla_flags
+from jaxllmq.bench import time_calls
+from jaxllmq.cli import flags as cli_flags
+
+_smoke = flags.DEFINE_bool("smoke", False, "CPU: 8 fake devices, tiny sizes.")
+_reps = flags.DEFINE_integer("reps", 10, "Calls per timed batch (the median of 5 batches).")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--smoke", action="store_true", help="CPU: 8 fake devices, tiny sizes")
-    p.add_argument("--reps", type=int, default=10)
-    args = p.parse_args()
-    if args.smoke:
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    if _smoke.value:  # before the backend starts
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
         os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from jaxllmq import xla_flags
-
     xla_flags.apply_defaults()
     devices = jax.devices()
     n = len(devices)
@@ -52,7 +53,7 @@ def main() -> None:
         ),
         "all_gather": (lambda x: jax.lax.all_gather(x, "d", axis=1, tiled=True), (n - 1) / n),
     }
-    sizes = [2**k for k in (range(10, 14) if args.smoke else range(24, 31, 2))]  # bytes
+    sizes = [2**k for k in (range(10, 14) if _smoke.value else range(24, 31, 2))]  # bytes
     rows = []
     rows_of = NamedSharding(mesh, P("d"))
     for name, (fn, factor) in ops.items():
@@ -61,13 +62,7 @@ def main() -> None:
             width = elems // n if name == "all_gather" else elems
             x = jax.device_put(jnp.ones((n, width), jnp.bfloat16), rows_of)
             f = jax.jit(smap(fn, in_specs=P("d"), out_specs=P("d")))
-            f(x).block_until_ready()
-            times = []
-            for _ in range(args.reps):
-                t = time.perf_counter()
-                f(x).block_until_ready()
-                times.append(time.perf_counter() - t)
-            s = statistics.median(times)
+            s = time_calls(lambda f=f, x=x: f(x), calls=_reps.value)
             rows.append(
                 dict(op=name, devices=n, bytes=size, ms=1e3 * s, bus_gbs=size * factor / s / 1e9)
             )
@@ -78,4 +73,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main, flags_parser=cli_flags.parse_argv)

@@ -1,7 +1,7 @@
 """Benchmark the token data path on this host (not a test): pipeline tokens/s and prepare tokens/s.
 
-    python benchmarks/data_pipeline.py                 # both parts
-    python benchmarks/data_pipeline.py --skip_prepare  # pipeline only
+    python -m benchmarks.data_pipeline                 # both parts
+    python -m benchmarks.data_pipeline --skip_prepare  # pipeline only
 
 Pipeline: random int32 shards (4 x 32M tokens, 512 MB, in the page cache as just written) read as
 TokenBatches with B=8, T=2048: the rate at which `next()` hands out batches, i.e. the most the
@@ -15,7 +15,6 @@ end to end, then tokenizes the same corpus as a .jsonl file with that tokenizer 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -25,12 +24,16 @@ import tempfile
 import time
 
 import numpy as np
-from absl import flags
+from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jaxllmq.data.pipeline import TokenBatches  # noqa: E402
-from jaxllmq.data.prepare import stdlib_sources  # noqa: E402
-from jaxllmq.data.shards import write_shard  # noqa: E402
+from jaxllmq.cli import flags as cli_flags
+from jaxllmq.data.pipeline import TokenBatches
+from jaxllmq.data.prepare import stdlib_sources
+from jaxllmq.data.shards import write_shard
+
+_dir = flags.DEFINE_string("dir", None, "Scratch directory (default: a temporary one).")
+_steps = flags.DEFINE_integer("steps", 5000, "Timed steps per configuration.")
+_skip_prepare = flags.DEFINE_bool("skip_prepare", False, "Time the pipeline only.")
 
 B, T = 8, 2048
 
@@ -70,17 +73,13 @@ def run_prepare(*flags: str) -> tuple[float, float, str]:
     return seconds, rate, summary
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", help="scratch directory (default: a temporary one)")
-    parser.add_argument("--steps", type=int, default=5000, help="timed steps per configuration")
-    parser.add_argument("--skip_prepare", action="store_true", help="time the pipeline only")
-    args = parser.parse_args()
-    flags.FLAGS.mark_as_parsed()  # Grain starts worker processes only once absl flags are parsed
-    with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    with tempfile.TemporaryDirectory(dir=_dir.value) as scratch:
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
         print(f"{os.cpu_count()} cores, load average {load} (other work shares the cores)")
-        print(f"pipeline: B={B}, T={T}, {args.steps} steps per row, one process")
+        print(f"pipeline: B={B}, T={T}, {_steps.value} steps per row, one process")
         plain = write_shards(scratch, 4, 32 << 20, masks=False)
         masked = write_shards(scratch, 2, 16 << 20, masks=True)
         configurations = [
@@ -91,9 +90,9 @@ def main() -> None:
             ("default, shards with masks", masked, {}),
         ]
         for label, files, options in configurations:
-            rate = time_pipeline(files, args.steps, **options)
+            rate = time_pipeline(files, _steps.value, **options)
             print(f"  {label:<48} {rate / 1e6:8.1f} M tokens/s")
-        if args.skip_prepare:
+        if _skip_prepare.value:
             return
         quick = os.path.join(scratch, "quickstart")
         seconds, rate, summary = run_prepare("--quickstart", f"--out_dir={quick}")
@@ -115,4 +114,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main, flags_parser=cli_flags.parse_argv)

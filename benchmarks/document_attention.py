@@ -7,19 +7,20 @@ cuDNN's causal kernel over whole windows (the cost without documents), cuDNN's p
 per-document mask. Errors are against a float32 XLA reference of the document mask; times are
 the median over batches of calls issued back to back.
 
-    python3 benchmarks/document_attention.py --shapes=8x2048,2x8192 --head_dims=64,128
+    python3 -m benchmarks.document_attention --shapes=8x2048,2x8192 --head_dims=64,128
 """
 
 from __future__ import annotations
 
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from jaxllmq.bench import time_calls
+from jaxllmq.cli import flags as cli_flags
 from jaxllmq.model import attention
 
 FLAGS = flags.FLAGS
@@ -46,15 +47,8 @@ def segment_ids(batch: int, seq_len: int, median: int, seed: int = 0) -> np.ndar
 
 
 def timed(fn, *args) -> float:
-    """Median ms per call of `calls` calls issued back to back, one wait per batch."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(FLAGS.batches):
-        start = time.perf_counter()
-        out = [fn(*args) for _ in range(FLAGS.calls)]
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / FLAGS.calls * 1e3)
-    return float(np.median(times))
+    """Median ms per call (bench.time_calls: --calls back to back, one wait per batch)."""
+    return 1e3 * time_calls(lambda: fn(*args), calls=FLAGS.calls, batches=FLAGS.batches)
 
 
 def forward_backward(attend):
@@ -111,8 +105,9 @@ def compare(batch: int, seq_len: int, head_dim: int) -> None:
         print(json.dumps(row), flush=True)
 
 
-def main(argv) -> None:
-    del argv
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
     for shape in FLAGS.shapes:
         batch, seq_len = map(int, shape.split("x"))
         for head_dim in map(int, FLAGS.head_dims):
@@ -120,4 +115,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli_flags.parse_argv)

@@ -1,8 +1,8 @@
 """Loss parity with the peer: jaxllmq and transformers train the same initial weights
 on the same batches with the same AdamW; their per-step losses are compared against a noise band.
 
-    python benchmarks/loss_parity.py                        # GPU: llama-3.2-1b, 8 x 2048, 50 steps
-    python benchmarks/loss_parity.py --model=tiny --batch_size=2 --seq_len=64 --steps=20  # CPU
+    python -m benchmarks.loss_parity                        # GPU: llama-3.2-1b, 8 x 2048, 50 steps
+    python -m benchmarks.loss_parity --model=tiny --batch_size=2 --seq_len=64 --steps=20  # CPU
 
 Each side runs in its own process (--side=jax, then --side=peer; the default --side=both starts
 them), so JAX's GPU memory preallocation and torch never share a device. The jax side builds the
@@ -19,7 +19,6 @@ last 10 steps' mean difference lie within it. Numerical differences between the 
 (bf16): benchmarks/loss_parity_peer.py's docstring.
 """
 
-import argparse
 import json
 import os
 import shutil
@@ -28,7 +27,11 @@ import sys
 import tempfile
 
 import numpy as np
+from absl import app, flags
 
+from jaxllmq.cli import flags as cli_flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # -m benchmarks.X runs here
 LAST = 10  # the steps the verdict averages over
 
 
@@ -176,7 +179,7 @@ def compare(jax_losses: list, peer_losses: list, noise_losses: list | None) -> d
     return out
 
 
-def _report(args: argparse.Namespace, jax_out: dict, peer_out: dict) -> dict:
+def _report(args: flags.FlagValues, jax_out: dict, peer_out: dict) -> dict:
     """Print the per-step table and the verdict; return the JSON summary."""
     noise = jax_out.get("noise_losses")
     print(f"{'step':>5} {'jaxllmq':>9} {'peer':>9} {'diff':>9} {'norm jax':>9} {'norm peer':>9}")
@@ -216,30 +219,34 @@ def _report(args: argparse.Namespace, jax_out: dict, peer_out: dict) -> dict:
     return summary
 
 
-def _side_args(args: argparse.Namespace, side: str) -> list[str]:
+def _side_args(args: flags.FlagValues, side: str) -> list[str]:
     keys = ("model", "batch_size", "seq_len", "steps", "dtype", "lr", "warmup", "weight_decay")
     keys += ("grad_clip", "seed", "kernels", "peer_compile", "workdir")
     return [f"--side={side}"] + [f"--{k}={getattr(args, k)}" for k in keys]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="llama-3.2-1b", help="a jaxllmq preset")
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--seq_len", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--warmup", type=int, default=5, help="linear from 0, then constant")
-    p.add_argument("--weight_decay", type=float, default=0.1)
-    p.add_argument("--grad_clip", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="init, data and shuffle seed")
-    p.add_argument("--kernels", default="auto", help="jaxllmq's --kernels")
-    p.add_argument("--peer_compile", default="auto", choices=("auto", "on", "off"))
-    p.add_argument("--side", default="both", choices=("both", "jax", "peer"))
-    p.add_argument("--workdir", default="", help="shared files; default a temporary directory")
-    p.add_argument("--no_noise", action="store_true", help="skip the shuffled-order jaxllmq run")
-    args = p.parse_args()
+def define_flags() -> None:
+    flags.DEFINE_string("model", "llama-3.2-1b", "A jaxllmq preset.")
+    flags.DEFINE_integer("batch_size", 8, "Rows per step.")
+    flags.DEFINE_integer("seq_len", 2048, "Tokens per row.")
+    flags.DEFINE_integer("steps", 50, "Steps compared.")
+    flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Both sides' dtype.")
+    flags.DEFINE_float("lr", 3e-4, "Peak learning rate.")
+    flags.DEFINE_integer("warmup", 5, "Linear warmup from 0, then constant.")
+    flags.DEFINE_float("weight_decay", 0.1, "AdamW weight decay.")
+    flags.DEFINE_float("grad_clip", 1.0, "Global-norm clip.")
+    flags.DEFINE_integer("seed", 0, "Init, data and shuffle seed.")
+    flags.DEFINE_string("kernels", "auto", "jaxllmq's --kernels.")
+    flags.DEFINE_enum("peer_compile", "auto", ["auto", "on", "off"], "torch.compile the peer.")
+    flags.DEFINE_enum("side", "both", ["both", "jax", "peer"], "Which side this process runs.")
+    flags.DEFINE_string("workdir", "", "Shared files; default a temporary directory.")
+    flags.DEFINE_bool("no_noise", False, "Skip the shuffled-order jaxllmq run.")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    args = flags.FLAGS
     if args.side == "jax":
         batches = np.load(os.path.join(args.workdir, "batches.npy"))
         out = run_jax(
@@ -259,7 +266,7 @@ def main() -> None:
             json.dump(out, f)
         return
     if args.side == "peer":
-        from loss_parity_peer import run_peer
+        from benchmarks.loss_parity_peer import run_peer
 
         batches = np.load(os.path.join(args.workdir, "batches.npy"))
         with open(os.path.join(args.workdir, "jax.json")) as f:
@@ -281,24 +288,28 @@ def main() -> None:
     from jaxllmq.model.architecture import preset
 
     temp = not args.workdir
-    args.workdir = args.workdir or tempfile.mkdtemp(prefix="loss_parity_")
+    if temp:
+        args.workdir = tempfile.mkdtemp(prefix="loss_parity_")
     try:
         vocab = preset(args.model).vocab_size
         batches = markov_batches(vocab, args.steps, args.batch_size, args.seq_len, seed=args.seed)
         np.save(os.path.join(args.workdir, "batches.npy"), batches)
         for side in ("jax", "peer"):
-            cmd = [sys.executable, os.path.abspath(__file__), *_side_args(args, side)]
+            cmd = [sys.executable, "-m", "benchmarks.loss_parity", *_side_args(args, side)]
             cmd += ["--no_noise"] if args.no_noise else []
-            subprocess.run(cmd, check=True)
+            subprocess.run(cmd, check=True, cwd=ROOT)
         with open(os.path.join(args.workdir, "jax.json")) as f:
             jax_out = json.load(f)
         with open(os.path.join(args.workdir, "peer.json")) as f:
             peer_out = json.load(f)
-        _report(args, jax_out, peer_out)
+        summary = _report(args, jax_out, peer_out)
     finally:
         if temp:
             shutil.rmtree(args.workdir, ignore_errors=True)
+    if summary.get("verdict", "").startswith("OUTSIDE"):
+        sys.exit("FAIL: the sides' losses differ by more than the noise band")
 
 
 if __name__ == "__main__":
-    main()
+    define_flags()
+    app.run(main, flags_parser=cli_flags.parse_argv)

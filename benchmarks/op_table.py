@@ -7,7 +7,7 @@ names its op, and the compiled step dumped; then joins the two (`jaxllmq.profile
 Command buffers off adds launch gaps to the step, not to the kernels. Not with --profile_steps
 (one trace at a time).
 
-    python3 benchmarks/op_table.py --model=llama-3.2-1b --batch_size=8 --seq_len=2048 \\
+    python3 -m benchmarks.op_table --model=llama-3.2-1b --batch_size=8 --seq_len=2048 \\
         --noscan_layers --bench_steps=5 --measure_matmul_ceiling=false [--table_kind=copy,nccl]
 """
 

@@ -1,33 +1,37 @@
 """The peer on the same GPU: transformers' Llama + torch.compile, fused AdamW, grad clipping.
 
-    python3 benchmarks/peer_torch.py --model=llama-3.2-1b --batch_size=8 --seq_len=2048 [--eager]
+    python3 -m benchmarks.peer_torch --model=llama-3.2-1b --batch_size=8 --seq_len=2048 [--eager]
 
 Random init at a preset's shapes (jaxllmq's presets, so both sides train the same model), pure
 bf16 weights, synthetic tokens. Prints one JSON line: tokens/s, step time, MFU (jaxllmq's:
-ModelConfig.flops_per_token against the H100/H200 bf16 peak), peak memory, compile time, and the
+ModelConfig.flops_per_token against the GPU's bf16 peak, jaxllmq/peaks.py), peak memory, compile time, and the
 loss every few steps.
 """
 
-import argparse
 import json
 import statistics
 import time
 
 import torch
 import transformers
+from absl import app, flags
 
+from jaxllmq.cli import flags as cli_flags
 from jaxllmq.model.architecture import preset
+from jaxllmq.peaks import peak_flops
+
+flags.DEFINE_string("model", "llama-3.2-1b", "A jaxllmq preset.")
+flags.DEFINE_integer("batch_size", 8, "Rows per step.")
+flags.DEFINE_integer("seq_len", 2048, "Tokens per row.")
+flags.DEFINE_integer("steps", 20, "Timed steps.")
+flags.DEFINE_integer("warmup", 3, "Untimed steps (torch.compile compiles in the first).")
+flags.DEFINE_bool("eager", False, "No torch.compile (autocast over fp32).")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="llama-3.2-1b")
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--seq_len", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--eager", action="store_true", help="no torch.compile (autocast over fp32)")
-    args = p.parse_args()
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    args = flags.FLAGS
     cfg = preset(args.model)
     d = cfg.to_hf_dict()
     hf = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
@@ -74,6 +78,7 @@ def main() -> None:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     tps = args.batch_size * args.seq_len * args.steps / total
+    peak = peak_flops(torch.cuda.get_device_name())
     print(
         json.dumps(
             {
@@ -84,7 +89,7 @@ def main() -> None:
                 "seq_len": args.seq_len,
                 "tokens_per_s": tps,
                 "step_ms_median": statistics.median(times),
-                "mfu_spec": cfg.flops_per_token(args.seq_len) * tps / 989e12,
+                "mfu_spec": cfg.flops_per_token(args.seq_len) * tps / peak if peak else None,
                 "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
                 "compile_s": compile_s,
                 "losses": [float(x) for x in losses[:: max(1, args.steps // 10)]],
@@ -96,4 +101,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main, flags_parser=cli_flags.parse_argv)

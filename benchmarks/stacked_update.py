@@ -1,8 +1,8 @@
 """The AdamW update of one stacked [L, D, F] weight whose gradient arrives layer by layer, as in
 the unrolled 1B step, built several ways, each timed alone on this process's first device.
 
-    python3 benchmarks/stacked_update.py            # GPU: the 1B's gate_proj, [16, 2048, 8192]
-    python3 benchmarks/stacked_update.py --smoke    # CPU: tiny shapes
+    python3 -m benchmarks.stacked_update          # GPU: the 1B's gate_proj, [16, 2048, 8192]
+    python3 -m benchmarks.stacked_update --smoke    # CPU: tiny shapes
 
 The unrolled forward splits each stacked weight once (model/llama.py), so the backward builds
 the stacked gradient with one concatenate, which XLA fuses into the update. The profile shows
@@ -18,14 +18,18 @@ that fusion below the memory bandwidth. Rows:
       slices into the donated buffers).
 """
 
-import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
+from absl import app, flags
 
 from jaxllmq import optim
+from jaxllmq.bench import time_calls
+from jaxllmq.cli import flags as cli_flags
+
+_smoke = flags.DEFINE_bool("smoke", False, "CPU: tiny shapes.")
+_reps = flags.DEFINE_integer("reps", 20, "Calls per timed batch (the median of 5 batches).")
 
 LAYERS = "layers"  # the params' key whose arrays are stacked over the layers (model/llama.py)
 
@@ -93,12 +97,10 @@ def _split_dus_bwd(_, cts):
 split_dus.defvjp(_split_dus_fwd, _split_dus_bwd)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes")
-    p.add_argument("--reps", type=int, default=20)
-    args = p.parse_args()
-    layers, d, f, m = (4, 64, 256, 32) if args.smoke else (16, 2048, 8192, 1024)
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    layers, d, f, m = (4, 64, 256, 32) if _smoke.value else (16, 2048, 8192, 1024)
     cfg = optim.OptimConfig(
         lr=1e-4, weight_decay=0.1, opt_m_dtype="bfloat16", opt_v_dtype="bfloat16"
     )
@@ -144,19 +146,18 @@ def main() -> None:
         return restack(views), restack(state)
 
     def time_ms(f, *operands, donate=()) -> float:
-        """Median ms of args.reps calls after two warm-up calls. Donated operands are fresh
-        copies, replaced by the outputs after each call."""
+        """Median ms per call (bench.time_calls). Donated operands are fresh copies, replaced by
+        the outputs after each call, so the calls still go back to back."""
         fj = jax.jit(f, donate_argnums=donate)
         ops = [jax.tree.map(jnp.copy, a) if i in donate else a for i, a in enumerate(operands)]
-        times = []
-        for rep in range(2 + args.reps):
-            t = time.perf_counter()
-            out = jax.block_until_ready(fj(*ops))
-            if rep >= 2:
-                times.append(time.perf_counter() - t)
+
+        def call():
+            out = fj(*ops)
             for i, o in zip(donate, out if donate else (), strict=True):
                 ops[i] = o
-        return 1e3 * sorted(times)[len(times) // 2]
+            return out
+
+        return 1e3 * time_calls(call, calls=_reps.value)
 
     state = opt.init(params)
     data = (x, r)
@@ -193,10 +194,10 @@ def main() -> None:
     print("per layer vs stacked, largest difference:", max(jax.tree.leaves(
         jax.tree.map(diff, (p1, s1), (p2, s2)))))  # fmt: skip
     gb = layers * d * f * 2 * 7 / 1e9  # bf16 param, m, v read and written, gradient read
-    print(f"[{layers}, {d}, {f}] bf16; the update moves {gb:.2f} GB; median of {args.reps} calls")
+    print(f"[{layers}, {d}, {f}] bf16; the update moves {gb:.2f} GB")
     for name, ms in rows:
         print(f"{name:24s} {ms:8.3f} ms")
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main, flags_parser=cli_flags.parse_argv)

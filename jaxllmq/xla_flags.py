@@ -1,7 +1,7 @@
 """XLA GPU flags jaxllmq sets unless the user's XLA_FLAGS already name them.
 
 Applied by the entry points before the backend starts (XLA reads XLA_FLAGS once). Each default is
-here because it was measured (docs/PERFORMANCE.md); set the flag in XLA_FLAGS to override it.
+here because it was measured (docs/experiments/); set the flag in XLA_FLAGS to override it.
 
 Also the GPU client's pinned host memory pool (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, 64 GB unless
 set): host offload (jaxllmq/offload.py) keeps the fp32 master and Adam moments there, 12 bytes a

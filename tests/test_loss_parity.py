@@ -3,19 +3,15 @@ batches with the same AdamW, give the same losses (the peer loss check, at the t
 preset, and a Qwen3 and a Gemma 3 of its size)."""
 
 import dataclasses
-import os
-import sys
 
 import numpy as np
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
-import loss_parity  # noqa: E402
-from loss_parity_peer import run_peer  # noqa: E402
-
+from benchmarks import loss_parity  # noqa: E402
+from benchmarks.loss_parity_peer import run_peer  # noqa: E402
 from jaxllmq.model.architecture import preset  # noqa: E402
 from jaxllmq.model.families import FULL, SLIDING  # noqa: E402
 

@@ -169,7 +169,7 @@ def test_pallas_kernels_and_chunked_loss_match_xla_in_the_step(lmhead_chunks):
 
 def test_gradients_are_pinned_row_major():
     # The fp8 weight-gradient GEMM writes [N, K]-major; unpinned, XLA stacked the layers'
-    # gradients [K, L, N] and the optimizer read them transposed (PERFORMANCE.md, fp8).
+    # gradients [K, L, N] and the optimizer read them transposed (docs/experiments, fp8).
     state, step = _setup()
     text = step.lower(state, _batch(np.random.default_rng(0), 1, 2, 16, SMALL.vocab_size)).as_text()
     pinned = re.findall(

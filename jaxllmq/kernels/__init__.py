@@ -10,22 +10,18 @@ import jax
 
 KERNELS = ("rms_norm", "lm_head_loss", "fp8_quantize")
 
-# What `auto` picks on one GPU, per kernel, from the H200 measurements in docs/PERFORMANCE.md
-# (benchmarks/kernels.py, 2026-11-30). Pallas only where it measured faster than XLA:
-# RMSNorm fwd+bwd 3% (hidden 2048) and 15% (896) faster than XLA's fusion; the LM-head loss
-# 1.7x faster than the reference and ~2% faster than the chunked XLA scan, 10-13x less memory
-# (with its gradient in 2048-token chunks, the default then).
-# fp8 quantize into both layouts: 1.5x faster than XLA's two passes; 3B and 8B e4m3 steps 5% faster.
+# What `auto` picks on one GPU, per kernel: Pallas only where it measured faster than XLA on an
+# H200, in the kernel alone and in the train step (docs/PERFORMANCE.md, "Kernels"): the RMSNorm
+# and its fused variants, the LM-head loss (faster, and a fraction of the memory: it never
+# writes the logits), the fp8 quantize into both layouts.
 AUTO_GPU = {"rms_norm": "pallas", "lm_head_loss": "pallas", "fp8_quantize": "pallas"}
 # On Hopper (compute capability 9.x) the LM-head loss's kernel in Mosaic GPU (wgmma, TMA), where
-# its shapes apply (the Triton kernel elsewhere): forward 14.2 against 15.4 ms at 16384 x 2048 x
-# 128256, the 1B step +0.4% on each of two H200s (2026-11-30 23:00 UTC).
+# its shapes apply (the Triton kernel elsewhere): faster alone and in the 1B step.
 AUTO_HOPPER = {**AUTO_GPU, "lm_head_loss": "mosaic"}
 # On several GPUs the LM-head loss and the fp8 quantize pass run per device under shard_map, as
-# on one GPU; measured on two H200s: the fused LM-head loss against XLA's (1B bf16, 2026-12-01)
-# +0.5/+0.7/+1.2% tokens/s at ZeRO-1/2/3 and 6.2-6.7 GiB less per GPU; the quantize pass at
-# ZeRO-1 (1B e4m3, 2026-11-30) 158k tokens/s against 145k. The RMSNorm stays XLA: its Pallas
-# call is not wrapped in shard_map, so XLA would gather its operands onto every device.
+# on one GPU, and measured faster there than XLA's (docs/PERFORMANCE.md, "Several GPUs", "fp8").
+# The RMSNorm stays XLA: its Pallas call is not wrapped in shard_map, so XLA would gather its
+# operands onto every device.
 AUTO_MULTI_GPU = {"rms_norm": "xla"}
 # Under tensor parallelism the head's vocab and the linears' columns are split: the per-device
 # loss would gather the head and repeat each token's loss on every tensor rank, and the quantize

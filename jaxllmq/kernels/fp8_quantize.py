@@ -4,9 +4,9 @@ Every fp8 block linear needs its input x and its output gradient g in fp8 twice.
 for the forward GEMM (x) and dgrad (g). Once transposed, token-major, for the weight gradient
 x^T g: cuBLASLt's fp8 GEMM takes only operands whose contracted dimension is the contiguous one.
 XLA writes the two copies in separate passes, and its transpose pass with 1-byte outputs ran well
-below the H200's bandwidth (`input_convert_(multiply_)transpose_fusion`, docs/PERFORMANCE.md).
-The Pallas kernel reads x once and writes both: each program quantizes one [bm, bn] tile and
-stores it twice, the second time transposed.
+below the H200's bandwidth (`input_convert_(multiply_)transpose_fusion`, docs/experiments,
+kernels). The Pallas kernel reads x once and writes both: each program quantizes one [bm, bn]
+tile and stores it twice, the second time transposed.
 
 `quantize_both_reference` is the pure-JAX referee. Both divide by the scale (a power of two, so
 exact), clip to the format's range and round once in the cast, so they agree bit for bit.
@@ -42,7 +42,7 @@ def quantize_both_reference(x_MxN: jax.Array, dtype, scale: jax.Array):
 class Fp8QuantizeConfig:
     """Tile shape and warps of the Pallas kernel; interpret runs it on CPU."""
 
-    # Measured on the H200 (docs/PERFORMANCE.md): 64 x 128 tiles, 4 warps, 2.8-3.3 TB/s.
+    # Measured on the H200 (docs/experiments, kernels): 64 x 128 tiles, 4 warps, 2.8-3.3 TB/s.
     block_rows: int = 64
     block_cols: int = 128
     num_warps: int = 4

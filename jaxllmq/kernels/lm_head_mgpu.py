@@ -5,7 +5,7 @@ of h and w tiles into shared memory, a memory warpgroup that keeps `stages` of t
 and two compute warpgroups issuing wgmma, each on its own [tile_m, tile_n] half of the CTA's
 vocabulary tile. The CTAs are persistent (one per SM), each looping over output tiles. On an
 H200 at the 1B's shapes it runs at 649 TFLOP/s with its q, where the Triton lowering's runs at
-536 and cuBLAS's plain GEMMs at 740 (docs/PERFORMANCE.md). The epilogue folds each
+536 and cuBLAS's plain GEMMs at 740 (docs/experiments, kernels). The epilogue folds each
 warpgroup's fp32 accumulator into its logsumexp piece and, for the gradient, writes the
 tile-local softmax q in the weight's dtype, both through shared memory and TMA.
 
@@ -42,7 +42,7 @@ class MosaicTiles:
     cluster_m: int = 1
     # Mosaic GPU's lowering semantics: "lane" (per-thread arrays) or "warpgroup". On an H200 at
     # the 1B's shape a 2-CTA cluster or warpgroup semantics ran the kernel 2-3% faster alone,
-    # but the step no faster than the spread (docs/PERFORMANCE.md): the defaults stay.
+    # but the step no faster than the spread (docs/experiments, kernels): the defaults stay.
     semantics: str = "lane"
 
     @property

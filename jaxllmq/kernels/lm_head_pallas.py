@@ -31,7 +31,7 @@ from jaxllmq.kernels import lm_head_mgpu
 class LmHeadPallasConfig:
     """Tile sizes (powers of two) and launch parameters of the fused LM-head kernel."""
 
-    # Tiles: fastest of the H200 sweep (docs/PERFORMANCE.md), 560 TFLOP/s at hidden 2048.
+    # Tiles: fastest of the H200 sweep (docs/experiments, kernels), 560 TFLOP/s at hidden 2048.
     block_m: int = 128  # tokens per tile
     block_v: int = 256  # vocabulary entries per tile
     block_k: int = 64  # hidden-dim step of the inner matmul loop
@@ -41,7 +41,7 @@ class LmHeadPallasConfig:
     # Most tokens whose q (softmax tiles) is held at once in the gradient. Each chunk's weight
     # gradient GEMM adds into the fp32 [D, V] accumulator, so fewer chunks read and write it
     # less: on the 1B step (H200) 8192 against 2048 gave +0.8% tokens/s on each of two GPUs for
-    # 3 GiB (docs/PERFORMANCE.md). --lmhead_chunks splits further where memory is short.
+    # 3 GiB (docs/experiments, kernels). --lmhead_chunks splits further where memory is short.
     chunk_tokens: int = 8192
     # "triton": the kernel below; "mosaic": lm_head_mgpu's Hopper kernel (lm_head_loss.kernel_used
     # keeps it to heads its tiles fit, the Triton kernel elsewhere).

@@ -53,7 +53,7 @@ class RmsNormConfig:
 
 def _launch(n_rows: int, n_cols: int, cfg: RmsNormConfig) -> tuple[int, int, int]:
     block_cols = P.next_pow2(n_cols)
-    # Measured on H200 (docs/PERFORMANCE.md): about 2048 elements per program; 8 warps for a
+    # Measured on H200 (docs/experiments, kernels): about 2048 elements per program; 8 warps for a
     # 2048-wide row, 4 warps for two 1024-wide rows (hidden 896) beat larger blocks.
     block_rows = cfg.block_rows or max(1, 2048 // block_cols)
     block_rows = min(P.next_pow2(block_rows), P.next_pow2(n_rows))

@@ -140,7 +140,7 @@ def gather_on_new_axis(tree, src: dict, dst: dict):
     transposed and transposed the gathered weights back. Here the update is written in its own
     layout, the gather is contiguous, and one transposing copy puts the pieces in place (1B at
     ZeRO-2 on two H200s: fusions and copies 3.5 ms less per step, tokens/s +1.3%,
-    docs/PERFORMANCE.md). Other arrays are left to XLA.
+    docs/experiments/2026-11-30-multi-gpu-2.md). Other arrays are left to XLA.
     """
 
     def one(x, s: NamedSharding, t: NamedSharding):

@@ -5,7 +5,7 @@ the benchmark's MFU is in a sane range.
 
 The comparisons compile with XLA's deterministic ops (and so XLA's attention) so that two
 programs can be compared bit for bit: without them GPU runs differ from their first steps
-(atomics in the scatter-adds), see docs/PERFORMANCE.md.
+(atomics in the scatter-adds; docs/experiments/2026-11-30-determinism.md).
 """
 
 import functools
@@ -28,6 +28,7 @@ from jaxllmq.offload import Offload
 from jaxllmq.parallel.mesh import make_mesh
 from jaxllmq.plan import plan_for
 from jaxllmq.settings import DataConfig, MeshConfig, ModelSpec, OptimConfig
+from jaxllmq.xla_flags import HOST_MEMORY_LIMIT
 
 pytestmark = pytest.mark.gpu
 
@@ -45,8 +46,9 @@ CUBLAS_FP8 = "__cublas$lt$matmul$f8"
 
 
 def train(batches, *, zero_level=1, compile_options=None, **spec_kw):
-    """Losses of the tiny preset trained on `batches` (one step each), the final state and the
-    plan. compile_options: XLA options for the step's compilation."""
+    """Losses of the tiny preset trained on `batches` (one step each, the lr schedule over 100
+    steps), the final state and the plan. compile_options: XLA options for the step's
+    compilation."""
     cfg = load_model_config("tiny")
     spec = ModelSpec(model="tiny", from_scratch=True, **{"matmul_dtype": "bfloat16", **spec_kw})
     mesh = make_mesh(1)
@@ -61,8 +63,9 @@ def train(batches, *, zero_level=1, compile_options=None, **spec_kw):
     return losses, state, plan
 
 
-def same_batch_losses(**kw) -> list[float]:
-    """STEPS steps on one batch of 2 micro-batches (gradient accumulation), deterministic ops."""
+def same_batch_losses(**kw):
+    """`train` for STEPS steps on one batch of 2 micro-batches (gradient accumulation), with
+    XLA's deterministic ops."""
     batch = synthetic_batch(load_model_config("tiny"), 2, 4, 128, seed=7)
     kw = {"deterministic": True, "compile_options": DETERMINISTIC_OPS, **kw}
     return train([batch] * STEPS, **kw)
@@ -111,7 +114,8 @@ def test_zero_levels_give_the_plain_losses(zero_level):
 def _bench_losses(*flags: str) -> list[float]:
     """The benchmark command's logged losses, in a process of its own (XLA reads its flags
     when the backend starts)."""
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # beside this process's pool
+    # Beside this process's memory: no device pool of its own, a small pinned host pool.
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", HOST_MEMORY_LIMIT: "8"}
     argv = [sys.executable, "-m", "jaxllmq.bench", "--json", "--measure_matmul_ceiling=false"]
     out = subprocess.run([*argv, *flags], env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -149,19 +153,22 @@ def markov_batches(steps: int, rows: int, seq_len: int, seed: int = 0) -> list[d
     return batches
 
 
-FP8_STEPS = 60
-# The mean loss of the last 10 steps, e4m3 against bf16: at most 2% higher, at most 5% lower (the
-# 1B over 500 steps: 0.69% lower; this test on one H200: 2.9% lower, 5.55 against 5.71).
-FP8_BAND = (-0.05, 0.02)
+# 100 steps: train's lr schedule (total_steps=100) has decayed to 0 by the end, so the last 20
+# steps measure two nearly final models on 20 fresh batches. In CPU emulation of the same fp8
+# rounding: bf16 5.685, e4m3 5.630 (-1.0%). Mid-training (60 steps of 8 x 256) the gap changed
+# sign between runs: e4m3 3.7% above bf16 on CPU, 2.9% below on one H200. The 1B over 500 steps:
+# e4m3 0.69% below bf16.
+FP8_STEPS = 100
+FP8_BAND = 0.03
 
 
 def test_fp8_stays_within_a_loss_band_of_bf16():
-    batches = markov_batches(FP8_STEPS, rows=8, seq_len=256)
+    batches = markov_batches(FP8_STEPS, rows=4, seq_len=128)
     bf16, _, _ = train(batches)
     e4m3, _, plan = train(batches, matmul_dtype="e4m3")
     assert bf16[-1] < 0.7 * bf16[0], bf16  # it learned: the band compares trained models
-    tail = lambda losses: float(np.mean(losses[-10:]))  # noqa: E731
-    assert FP8_BAND[0] < tail(e4m3) / tail(bf16) - 1 < FP8_BAND[1], (tail(e4m3), tail(bf16))
+    tail = lambda losses: float(np.mean(losses[-20:]))  # noqa: E731
+    assert abs(tail(e4m3) / tail(bf16) - 1) < FP8_BAND, (tail(e4m3), tail(bf16))
     assert plan.kernels["fp8_quantize"] == "pallas"  # auto on a GPU: the fused quantize pass
 
 
@@ -198,7 +205,8 @@ def test_fp8_block_linears_run_as_fp8_gemms():
     assert CUBLAS_FP8 in lowered.compile().as_text()
 
 
-# MFU against the spec-sheet bf16 peak: the 1B's step measured 0.55 on one H200.
+# MFU against the spec-sheet bf16 peak: the 1B's step with these settings (fp32 master and
+# moments, scanned layers) measured 0.43-0.46 on H200s; pure bf16 and unrolled, 0.55.
 MFU_RANGE = (0.3, 0.8)
 
 

@@ -1,0 +1,96 @@
+"""benchmarks/run.py, the GPU runner, on CPU: its recipes, how it reads a run's output, its table,
+and its command line (--dry_run runs nothing)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import run
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_each_recipe_compares_with_a_run_of_its_own(gpus):
+    for name, recipe in run.RECIPES.items():
+        runs = recipe(gpus)
+        labels = [r.label for r in runs]
+        assert runs and len(set(labels)) == len(labels), name
+        assert {r.base for r in runs if r.base} <= set(labels), name
+        assert all(r.gpus <= gpus and r.recipe == name for r in runs), name
+    scaling = run.scaling(gpus)
+    assert {r.gpus for r in scaling} == {1} | {n for n in (2, 4, 8) if n <= gpus}
+
+
+def test_a_run_is_its_last_json_line_or_its_error():
+    r = run.Run("fp8", "1b e4m3", ("--matmul_dtype=e4m3",))
+    got = run.result(r, 'compiling\n{"tokens_per_s": 1}\n{"tokens_per_s": 2.5}\n', "", 0)
+    assert got == {"recipe": "fp8", "label": "1b e4m3", "tokens_per_s": 2.5}
+    failed = run.result(r, "", "Traceback ...\nRESOURCE_EXHAUSTED: out of memory\n\n", 1)
+    assert failed["error"] == "RESOURCE_EXHAUSTED: out of memory"
+    assert run.result(r, "", "", -9)["error"] == "exit -9, no output"
+
+
+def test_the_table_compares_each_run_with_its_base():
+    runs = [
+        run.Run("scaling", "1 GPU", ()),
+        run.Run("scaling", "2 GPUs ZeRO-1", (), gpus=2, base="1 GPU", per_gpu=True),
+        run.Run("scaling", "2 GPUs ZeRO-3", (), gpus=2, base="1 GPU", per_gpu=True),
+        run.Run("fp8", "e4m3", (), base="bf16"),
+    ]
+    row = dict(step_ms_median=100.0, compile_s=9.0, peak_memory_gib_per_device=40.0)
+    results = [
+        {"recipe": "scaling", "label": "1 GPU", "tokens_per_s": 1000.0, "mfu_spec": 0.5, **row},
+        {
+            "recipe": "scaling",
+            "label": "2 GPUs ZeRO-1",
+            "tokens_per_s": 1900.0,
+            "devices": 2,
+            "mfu_spec": 0.475,
+            **row,
+        },  # fmt: skip
+        {"recipe": "scaling", "label": "2 GPUs ZeRO-3", "error": "out of memory"},
+        {
+            "recipe": "fp8",
+            "label": "e4m3",
+            "tokens_per_s": 1300.0,
+            "mfu_spec": 0.6,
+            "mfu_spec_fp8": 0.3,
+            **row,
+        },  # fmt: skip
+    ]
+    lines = run.table(runs, results).splitlines()
+    line = lambda label: next(ln for ln in lines if ln.startswith(label))  # noqa: E731
+    assert line("2 GPUs ZeRO-1").split()[3:6] == ["1,900", "0.950", "47.5%"]
+    assert "out of memory" in line("2 GPUs ZeRO-3")
+    assert line("e4m3").split()[1:5] == ["1,300", "-", "60.0%", "30.0%"]  # its base did not run
+
+
+def test_ab_runs_each_run_with_both_packages_b_against_a():
+    runs = run.ab_runs(run.scaling(2)[:2], "/a", "/b")
+    assert [(r.label, r.package, r.base) for r in runs] == [
+        ("1 GPU [A]", "/a", None),
+        ("1 GPU [B]", "/b", "1 GPU [A]"),
+        ("2 GPUs ZeRO-1 [A]", "/a", None),
+        ("2 GPUs ZeRO-1 [B]", "/b", "2 GPUs ZeRO-1 [A]"),
+    ]
+    assert not any(r.per_gpu for r in runs) and runs[3].gpus == 2
+
+
+def test_command_line():
+    def runner(*args):
+        cmd = [sys.executable, "-m", "benchmarks.run", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+    out = runner("--recipes=kernels,offload", "--dry_run", "--gpus=1")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == len(run.kernels(1)) + len(run.offload(1))
+    assert "-m jaxllmq.bench --json" in lines[0] and "--kernels=auto" in lines[0]
+    assert runner("--recipes=fp8", "--ab=/nonexistent,.", "--dry_run").stderr.strip() == (
+        "error: --ab takes DIR_A,DIR_B, two directories that each hold a jaxllmq/"
+    )
+    bad = runner("--recipes=speed")
+    assert bad.returncode == 1
+    assert bad.stderr.strip().splitlines() == [
+        "error: --recipes takes some of shapes, kernels, scaling, fp8, offload (got speed)"
+    ]
