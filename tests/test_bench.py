@@ -104,5 +104,5 @@ def test_bench_with_document_masking_times_masked_documents(monkeypatch):
         cfg, spec, OptimConfig(), data, MeshConfig(gpus=0), bench.BenchConfig(bench_steps=1)
     )
     assert out["document_masking"] and out["attention_used"] == "xla"
-    assert built["step"].plan.documents_per_window == out["documents_per_window"] == 16
+    assert built["step"].plan.documents_per_window == out["documents_per_window"] == 32
     assert {"segment_ids", "positions"} <= set(built["batch"])

@@ -288,12 +288,11 @@ def test_prepare_records_the_eos_id_and_the_run_finds_it(tmp_path):
 def test_documents_per_window(tmp_path):
     files = (str(tmp_path / "train.bin"),)
     data = lambda **kw: DataConfig(train_files=files, eos_id=3, document_masking=True, **kw)
-    assert data(seq_len=8192).documents_per_window == 128
-    assert data(seq_len=256).documents_per_window == 16
+    assert data(seq_len=8192).documents_per_window == data().documents_per_window == 32
     assert data(max_documents_per_window=5).documents_per_window == 5
-    assert DataConfig(train_files=files).documents_per_window is None
-    with pytest.raises(SettingError, match="^--max_documents_per_window=5 needs --document_mask"):
-        DataConfig(train_files=files, max_documents_per_window=5)
+    assert DataConfig(train_files=files, max_documents_per_window=5).documents_per_window is None
+    with pytest.raises(SettingError, match="^--max_documents_per_window=0: must be >= 1"):
+        data(max_documents_per_window=0)
 
 
 def test_a_tiny_model_trains_on_documents_through_the_cli(tmp_path):
@@ -332,7 +331,7 @@ def test_a_tiny_model_trains_on_documents_through_the_cli(tmp_path):
     with open(tmp_path / "log.jsonl") as f:
         records = [json.loads(line) for line in f]
     plan = next(r for r in records if r["log"] == "info" and "plan" in r)["plan"]
-    assert plan["documents_per_window"] == 16 and plan["attention"] == "xla"
+    assert plan["documents_per_window"] == 32 and plan["attention"] == "xla"
     steps = [r for r in records if r["log"] == "step"]
     assert len(steps) == 4 and all(np.isfinite(r["loss"]) for r in steps)
     # The token after each EOS is not trained on: fewer tokens than the windows hold.

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from jaxllmq.model.attention import default_documents_per_window
+from jaxllmq.model.attention import DOCUMENTS_PER_WINDOW
 from jaxllmq.setting import SettingError, Settings, setting
 
 PACK_FILE = "pack.json"
@@ -238,4 +238,4 @@ def max_examples_per_window(cfg: PackConfig) -> int:
     --seq_len keeps apart (the padding is one more document)."""
     if cfg.pack_max_examples is not None:
         return cfg.pack_max_examples
-    return default_documents_per_window(cfg.seq_len) - 1
+    return DOCUMENTS_PER_WINDOW - 1

@@ -36,7 +36,7 @@ from grain.experimental import index_shuffle
 
 from jaxllmq.data.shards import Shard, ShardError, check_vocab_size, expand_files, open_shard
 from jaxllmq.data.validate import Note, check_shards, name_files
-from jaxllmq.model.attention import default_documents_per_window
+from jaxllmq.model.attention import DOCUMENTS_PER_WINDOW
 
 # Bytes read from each end of a data file for the CRC-32 a saved data position records.
 _SAMPLE_BYTES = 1 << 20
@@ -255,7 +255,7 @@ class TokenBatches:
         shape = (grad_accumulation, batch_size, process_index, batch_size // process_count)
         order = _Order(self.num_windows, seed, shuffle)
         if eos_id is not None and documents_per_window is None:
-            documents_per_window = default_documents_per_window(seq_len)
+            documents_per_window = DOCUMENTS_PER_WINDOW
         self._loader = _StepLoader(reader, order, shape, eos_id, documents_per_window)
         self._step = 0  # global step of the next batch
         self._iter: grain.DatasetIterator | None = None

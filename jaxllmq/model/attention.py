@@ -14,17 +14,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-# cuDNN's packed attention costs per segment slot, used or not: on one H200 at 8 x 2048, head
-# dim 64, 8 slots a window take 1.19 ms forward + backward, 32 take 1.88, 128 take 4.52, against
-# 1.67 for causal attention over whole windows; at 2 x 8192, 32 slots 2.0 ms and 128 4.3 against
-# 4.9. One slot per 64 tokens (16 at least) stays near the causal kernel's time.
-TOKENS_PER_DOCUMENT_SLOT = 64
-MIN_DOCUMENTS_PER_WINDOW = 16
-
-
-def default_documents_per_window(seq_len: int) -> int:
-    """--max_documents_per_window's default for windows of `seq_len` tokens."""
-    return max(MIN_DOCUMENTS_PER_WINDOW, seq_len // TOKENS_PER_DOCUMENT_SLOT)
+# cuDNN's packed attention costs per segment slot, used or not, in time and in its backward's
+# workspace (which grows with segments x tokens). On one H200, the 1B's attention forward +
+# backward at 8 x 2048: 8 slots 1.19 ms, 32 slots 1.88, 128 slots 4.52, against 1.67 for causal
+# attention over whole windows; at 2 x 8192: 32 slots 2.0 ms, 128 slots 4.3, against 4.9. Its
+# whole step at 2 x 8192: 1.20x the causal step's tokens/s with 32 slots and 3.3 GiB more, 1.09x
+# with 128 slots and 30 GiB more.
+DOCUMENTS_PER_WINDOW = 32
 
 
 def same_document(segment_ids_BxT: jax.Array) -> jax.Array:

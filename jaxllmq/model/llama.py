@@ -24,9 +24,9 @@ from jaxllmq.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_tee
 from jaxllmq.model import fp8, fp8_delayed, gemma
 from jaxllmq.model.architecture import ModelConfig
 from jaxllmq.model.attention import (
+    DOCUMENTS_PER_WINDOW,
     Documents,
     attend_documents,
-    default_documents_per_window,
     documents_for,
     keys_within,
 )
@@ -378,7 +378,7 @@ class Llama(nnx.Module):
             ropes[True] = rope_cos_sin(cfg, positions_BxT, local=True)
         documents = None
         if segment_ids_BxT is not None:
-            per_window = self.documents_per_window or default_documents_per_window(T)
+            per_window = self.documents_per_window or DOCUMENTS_PER_WINDOW
             documents = documents_for(self.attention, segment_ids_BxT, per_window)
         x_BxTxD = self.constrain(self.embed(tokens_BxT))
 
