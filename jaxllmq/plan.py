@@ -18,7 +18,8 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jaxllmq.kernels import KERNELS, is_hopper, resolve_impl
 from jaxllmq.kernels.lm_head_loss import kernel_used
 from jaxllmq.model.architecture import ModelConfig, ModelConfigError
-from jaxllmq.model.llama import abstract_model, can_fuse_qkv_grads, resolve_attention
+from jaxllmq.model.attention import resolve_attention
+from jaxllmq.model.llama import abstract_model, can_fuse_qkv_grads
 from jaxllmq.offload import DEVICE, HOST, Offload
 from jaxllmq.parallel import rules
 from jaxllmq.parallel.mesh import DATA, FSDP, MESH_AXES, TENSOR

@@ -1,10 +1,11 @@
-"""Attention over packed documents: the XLA mask, and cuDNN's packed layout on GPU.
+"""Attention: which implementation runs (resolve_attention), causal GQA attention with a sliding
+window and a KV cache (attend), and over packed documents XLA's mask or cuDNN's packed layout.
 
 cuDNN's fused attention takes a window's documents as segments (offsets and lengths), each
 attending causally to itself, so no [T, T] mask is built and the blocks between documents are
-never computed. Its segment count per window is static (`max_documents`): the documents past the
-last segment are joined to it, which the data pipeline accounts for by not training on their
-tokens (data/pipeline.py, `documents`).
+never computed. Its segment count per window is static (--max_documents_per_window): the
+documents past the last segment are joined to it, which the data pipeline accounts for by not
+training on their tokens (data/pipeline.py, `documents`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from jaxllmq.model.kv_cache import KVCache
+
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
 # cuDNN's packed attention costs per segment slot, used or not, in time and in its backward's
 # workspace (which grows with segments x tokens). On one H200, the 1B's attention forward +
@@ -103,3 +108,87 @@ def attend_documents(
         mask_type=cudnn.MaskType.PADDING_CAUSAL,
         sliding_window_length=window,
     )
+
+
+def resolve_attention(
+    attention: str,
+    dtype,
+    *,
+    platform: str | None = None,
+    deterministic: bool = False,
+    per_layer_windows: bool = False,
+) -> str:
+    """'auto' -> cuDNN's fused attention on GPU (`platform`, default jax's backend) in bf16/fp16
+    (packed documents too, as its segments), XLA's otherwise, and XLA's under XLA's
+    deterministic ops (cuDNN's crashes under them) or with `per_layer_windows` (layers of
+    several sliding windows scanned: that mask runs in XLA's attention only)."""
+    if attention not in ATTENTION_IMPLS:
+        raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
+    if attention != "auto":
+        return attention
+    on_gpu = (platform or jax.default_backend()) in ("gpu", "cuda")
+    fused = (
+        on_gpu
+        and not deterministic
+        and not per_layer_windows
+        and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    )
+    return "cudnn" if fused else "xla"
+
+
+def attend(
+    q_BxTxNxH: jax.Array,
+    k_BxTxKxH: jax.Array,
+    v_BxTxKxH: jax.Array,
+    cache: KVCache | None,
+    *,
+    implementation: str,
+    documents: Documents | None = None,
+    window: int | jax.Array | None = None,
+    scale: float | None = None,
+) -> tuple[jax.Array, KVCache | None]:
+    """Causal GQA attention (K kv heads serve N/K query heads each; cuDNN's fused kernel on GPU),
+    and the cache, if any, holding these tokens' keys and values too.
+
+    `documents` (attention.documents_for `implementation`): each query also reads only its own
+    document's keys. `window`: the query at position p reads keys p - window < j <= p only
+    (transformers' sliding window); an int, or a traced scalar (a scan over layers of several
+    windows; llama.ALL_KEYS: no window) that only XLA's attention takes, as a mask. `scale`: the
+    logits' (default 1/sqrt(H)). With one layer's cache the queries are at positions
+    cache.length.., and each reads the cached keys up to its own position."""
+    traced = window is not None and not isinstance(window, int)
+    if traced and implementation != "xla":
+        raise ValueError(f"a per-layer window needs XLA's attention, not {implementation!r}")
+    if documents is not None:
+        o_BxTxNxH = attend_documents(
+            q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, documents, window=window, scale=scale
+        )
+        return o_BxTxNxH, cache
+    if cache is None:
+        mask = keys_within(q_BxTxNxH.shape[1], window)[None, None] if traced else None
+        o_BxTxNxH = jax.nn.dot_product_attention(
+            q_BxTxNxH,
+            k_BxTxKxH,
+            v_BxTxKxH,
+            mask=mask,
+            scale=scale,
+            is_causal=True,
+            local_window_size=None if window is None or traced else (window - 1, 0),
+            implementation=implementation,
+        )
+        return o_BxTxNxH, None
+    T, S = q_BxTxNxH.shape[1], cache.k.shape[1]
+    positions_Tx1 = (cache.length + jnp.arange(T))[:, None]
+    visible_TxS = jnp.arange(S) <= positions_Tx1
+    if window is not None:
+        visible_TxS &= jnp.arange(S) > positions_Tx1 - window
+    cache = cache.append(k_BxTxKxH, v_BxTxKxH)
+    o_BxTxNxH = jax.nn.dot_product_attention(
+        q_BxTxNxH,
+        cache.k,
+        cache.v,
+        mask=visible_TxS[None, None],
+        scale=scale,
+        implementation=implementation,
+    )
+    return o_BxTxNxH, cache

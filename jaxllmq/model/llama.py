@@ -26,16 +26,15 @@ from jaxllmq.model.architecture import ModelConfig
 from jaxllmq.model.attention import (
     DOCUMENTS_PER_WINDOW,
     Documents,
-    attend_documents,
+    attend,
     documents_for,
-    keys_within,
+    resolve_attention,
 )
 from jaxllmq.model.kv_cache import KVCache
 from jaxllmq.model.qkv_grads import can_fuse_qkv_grads, shared_input_matmuls
 from jaxllmq.model.recompute import ATT, FFN, NORM, QKV, RESID, SWIGLU, Recompute
 from jaxllmq.model.rotary import apply_rope, rope_cos_sin
 
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 # A traced per-layer window (layers of several windows under scan) that reads every earlier key.
 ALL_KEYS = int(np.iinfo(np.int32).max)
 
@@ -88,90 +87,6 @@ class DecoderLayers(nnx.Module):
     def arrays(self) -> dict[str, jax.Array]:
         """The stacked parameter arrays by name."""
         return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
-
-
-def resolve_attention(
-    attention: str,
-    dtype,
-    *,
-    platform: str | None = None,
-    deterministic: bool = False,
-    per_layer_windows: bool = False,
-) -> str:
-    """'auto' -> cuDNN's fused attention on GPU (`platform`, default jax's backend) in bf16/fp16
-    (packed documents too, as its segments), XLA's otherwise, and XLA's under XLA's
-    deterministic ops (cuDNN's crashes under them) or with `per_layer_windows` (layers of
-    several sliding windows scanned: that mask runs in XLA's attention only)."""
-    if attention not in ATTENTION_IMPLS:
-        raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
-    if attention != "auto":
-        return attention
-    on_gpu = (platform or jax.default_backend()) in ("gpu", "cuda")
-    fused = (
-        on_gpu
-        and not deterministic
-        and not per_layer_windows
-        and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-    )
-    return "cudnn" if fused else "xla"
-
-
-def attend(
-    q_BxTxNxH: jax.Array,
-    k_BxTxKxH: jax.Array,
-    v_BxTxKxH: jax.Array,
-    cache: KVCache | None,
-    *,
-    implementation: str,
-    documents: Documents | None = None,
-    window: int | jax.Array | None = None,
-    scale: float | None = None,
-) -> tuple[jax.Array, KVCache | None]:
-    """Causal GQA attention (K kv heads serve N/K query heads each; cuDNN's fused kernel on GPU),
-    and the cache, if any, holding these tokens' keys and values too.
-
-    `documents` (attention.documents_for `implementation`): each query also reads only its own
-    document's keys. `window`: the query at position p reads keys p - window < j <= p only
-    (transformers' sliding window); an int, or a traced scalar (a scan over layers of several
-    windows; ALL_KEYS: no window) that only XLA's attention takes, as a mask. `scale`: the
-    logits' (default 1/sqrt(H)). With one layer's cache the queries are at positions
-    cache.length.., and each reads the cached keys up to its own position."""
-    traced = window is not None and not isinstance(window, int)
-    if traced and implementation != "xla":
-        raise ValueError(f"a per-layer window needs XLA's attention, not {implementation!r}")
-    if documents is not None:
-        o_BxTxNxH = attend_documents(
-            q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, documents, window=window, scale=scale
-        )
-        return o_BxTxNxH, cache
-    if cache is None:
-        mask = keys_within(q_BxTxNxH.shape[1], window)[None, None] if traced else None
-        o_BxTxNxH = jax.nn.dot_product_attention(
-            q_BxTxNxH,
-            k_BxTxKxH,
-            v_BxTxKxH,
-            mask=mask,
-            scale=scale,
-            is_causal=True,
-            local_window_size=None if window is None or traced else (window - 1, 0),
-            implementation=implementation,
-        )
-        return o_BxTxNxH, None
-    T, S = q_BxTxNxH.shape[1], cache.k.shape[1]
-    positions_Tx1 = (cache.length + jnp.arange(T))[:, None]
-    visible_TxS = jnp.arange(S) <= positions_Tx1
-    if window is not None:
-        visible_TxS &= jnp.arange(S) > positions_Tx1 - window
-    cache = cache.append(k_BxTxKxH, v_BxTxKxH)
-    o_BxTxNxH = jax.nn.dot_product_attention(
-        q_BxTxNxH,
-        cache.k,
-        cache.v,
-        mask=visible_TxS[None, None],
-        scale=scale,
-        implementation=implementation,
-    )
-    return o_BxTxNxH, cache
 
 
 def decoder_layer(

@@ -18,7 +18,7 @@ from jaxllmq.kernels.fp8_quantize import quantize_both
 from jaxllmq.kernels.lm_head_loss import kernel_used, lm_head_loss, lm_head_loss_reference
 from jaxllmq.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_tee
 from jaxllmq.model import fp8
-from jaxllmq.model.llama import attend, resolve_attention
+from jaxllmq.model.attention import attend, resolve_attention
 
 pytestmark = pytest.mark.gpu
 
