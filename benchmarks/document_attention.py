@@ -16,10 +16,9 @@ import json
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
-from jaxllmq.bench import time_calls
+from jaxllmq import bench
 from jaxllmq.cli import flags as cli_flags
 from jaxllmq.model import attention
 
@@ -28,27 +27,15 @@ flags.DEFINE_list("shapes", ["8x2048", "2x8192"], "Batch x sequence length pairs
 flags.DEFINE_list("head_dims", ["64"], "Head dims.")
 flags.DEFINE_integer("heads", 32, "Query heads.")
 flags.DEFINE_integer("kv_heads", 8, "Key/value heads.")
-flags.DEFINE_integer("median_document", 600, "Median document length in tokens.")
+flags.DEFINE_integer("median_document", bench.DOC_MEDIAN, "Median document length in tokens.")
 flags.DEFINE_list("max_documents", ["16", "64"], "Segments per window for cuDNN's packed layout.")
 flags.DEFINE_integer("calls", 20, "Calls issued back to back per batch.")
 flags.DEFINE_integer("batches", 5, "Timed batches (the median is reported).")
 
 
-def segment_ids(batch: int, seq_len: int, median: int, seed: int = 0) -> np.ndarray:
-    """int32[batch, seq_len]: document ids along each window, lengths log-normal around median."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for _ in range(batch):
-        lengths = []
-        while sum(lengths) < seq_len:
-            lengths.append(max(1, int(rng.lognormal(np.log(median), 1.0))))
-        rows.append(np.repeat(np.arange(len(lengths)), lengths)[:seq_len])
-    return np.stack(rows).astype(np.int32)
-
-
 def timed(fn, *args) -> float:
     """Median ms per call (bench.time_calls: --calls back to back, one wait per batch)."""
-    return 1e3 * time_calls(lambda: fn(*args), calls=FLAGS.calls, batches=FLAGS.batches)
+    return 1e3 * bench.time_calls(lambda: fn(*args), calls=FLAGS.calls, batches=FLAGS.batches)
 
 
 def forward_backward(attend):
@@ -60,7 +47,7 @@ def forward_backward(attend):
 
 def compare(batch: int, seq_len: int, head_dim: int) -> None:
     """Print one JSON line per variant at this shape: ms, and dq/dk/dv errors against float32."""
-    seg = jnp.asarray(segment_ids(batch, seq_len, FLAGS.median_document))
+    seg = jnp.asarray(bench.document_segment_ids(batch, seq_len, FLAGS.median_document))
     documents = int(jnp.max(seg[:, -1]) + 1)
     keys = jax.random.split(jax.random.key(0), 4)
     q_shape, kv_shape = (

@@ -128,6 +128,21 @@ def with_documents(batch: dict, eos_id: int, per_window: int, seed: int = 0) -> 
     return {k: v.reshape(acc, rows, seq_len) for k, v in out.items()}
 
 
+def document_segment_ids(
+    rows: int, seq_len: int, median: float = DOC_MEDIAN, seed: int = 0
+) -> np.ndarray:
+    """int32[rows, seq_len]: each token's document in windows of documents of with_documents'
+    length mix (log-normal around `median`), each row starting with a document's first token."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(rows):
+        lengths = []
+        while sum(lengths) < seq_len:
+            lengths.append(max(1, int(rng.lognormal(math.log(median), DOC_SIGMA))))
+        out.append(np.repeat(np.arange(len(lengths)), lengths)[:seq_len])
+    return np.stack(out).astype(np.int32)
+
+
 def bench_eos_id(model_cfg: ModelConfig, data: DataConfig) -> int:
     """The EOS id of the synthetic documents: --eos_id, else the model's first eos_token_id,
     else 0."""

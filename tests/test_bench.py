@@ -106,3 +106,12 @@ def test_bench_with_document_masking_times_masked_documents(monkeypatch):
     assert out["document_masking"] and out["attention_used"] == "xla"
     assert built["step"].plan.documents_per_window == out["documents_per_window"] == 32
     assert {"segment_ids", "positions"} <= set(built["batch"])
+
+
+def test_document_segment_ids_follow_the_length_mix():
+    seg = bench.document_segment_ids(8, 2048, seed=3)
+    assert seg.shape == (8, 2048) and seg.dtype == np.int32
+    assert (seg[:, 0] == 0).all() and set(np.unique(np.diff(seg, axis=1))) <= {0, 1}
+    lengths = np.concatenate([np.bincount(row)[:-1] for row in seg])  # each row's last is cut
+    assert 300 < np.median(lengths) < 1200  # around the median of 600
+    np.testing.assert_array_equal(seg, bench.document_segment_ids(8, 2048, seed=3))

@@ -7,20 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxllmq import bench
 from jaxllmq.model import attention
 
 pytestmark = pytest.mark.gpu
-
-
-def _segments(batch: int, seq_len: int, median: int, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    rows = []
-    for _ in range(batch):
-        lengths = []
-        while sum(lengths) < seq_len:
-            lengths.append(max(1, int(rng.lognormal(np.log(median), 1.0))))
-        rows.append(np.repeat(np.arange(len(lengths)), lengths)[:seq_len])
-    return np.stack(rows).astype(np.int32)
 
 
 def _grads(attend, q, k, v, do):
@@ -32,7 +22,7 @@ def _grads(attend, q, k, v, do):
 @pytest.mark.parametrize("median", [600, 40])
 def test_cudnn_segments_match_the_masked_reference(head_dim, median):
     B, T, N, K = 4, 2048, 16, 4
-    seg = jnp.asarray(_segments(B, T, median))
+    seg = jnp.asarray(bench.document_segment_ids(B, T, median))
     per_window = int(seg.max()) + 1  # every document its own segment
     keys = jax.random.split(jax.random.key(0), 4)
     shapes = [(B, T, N, head_dim), (B, T, K, head_dim), (B, T, K, head_dim), (B, T, N, head_dim)]
