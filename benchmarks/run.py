@@ -1,6 +1,6 @@
 """One runner for the GPU measurements: named recipes of benchmark runs, JSON lines, a table.
 
-    python3 -m benchmarks.run --recipes=shapes,kernels [--out=DIR] [--dry_run]
+    python3 -m benchmarks.run --recipes=shapes,kernels [--runs=TEXT] [--out=DIR] [--dry_run]
 
 Each run is `python -m jaxllmq.bench --json ...` (or the peer, benchmarks/peer_torch.py) in a
 process of its own. A recipe's one-GPU runs are spread over the machine's GPUs, one queue per
@@ -140,6 +140,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def define_flags() -> None:
     """The runner's flags (defined when it runs, so that importing this module defines none)."""
     flags.DEFINE_list("recipes", None, f"Recipes to run, of {', '.join(RECIPES)}.")
+    flags.DEFINE_list(
+        "runs",
+        None,
+        "Only the runs whose label contains one of these texts, with the runs they are compared "
+        "with (e.g. --runs='llama-3.2-1b 8 x 2048' for the 1B row of shapes, ours and the peer).",
+    )
     flags.DEFINE_string("out", None, "Append the results to DIR/results.jsonl.")
     flags.DEFINE_bool("dry_run", False, "Print each run's command; run nothing.")
     flags.DEFINE_integer("gpus", None, "GPUs to use (default: all, from nvidia-smi -L).")
@@ -151,6 +157,13 @@ def define_flags() -> None:
         "compared B against A (e.g. `git archive REV jaxllmq | tar -x -C DIR`). With several "
         "GPUs the two may run on different ones (they differ by up to 1.5%): --gpus=1 for one.",
     )
+
+
+def selected(runs: list[Run], texts: list[str]) -> list[Run]:
+    """The runs whose label contains one of `texts`, and their bases, in the recipes' order."""
+    chosen = {(r.recipe, r.label) for r in runs if any(t in r.label for t in texts)}
+    chosen |= {(r.recipe, r.base) for r in runs if (r.recipe, r.label) in chosen and r.base}
+    return [r for r in runs if (r.recipe, r.label) in chosen]
 
 
 def ab_runs(runs: list[Run], package_a: str, package_b: str) -> list[Run]:
@@ -292,6 +305,12 @@ def main(argv: list[str]) -> None:
         sys.exit(f"error: --recipes takes some of {', '.join(RECIPES)} (got {','.join(names)})")
     gpus = FLAGS.gpus if FLAGS.gpus is not None else gpu_count()
     runs = [r for n in names for r in RECIPES[n](max(gpus, 1))]
+    if FLAGS.runs:
+        runs = selected(runs, FLAGS.runs)
+        if not runs:
+            sys.exit(
+                f"error: --runs matched no run of --recipes={','.join(names)} (--dry_run lists them)"
+            )
     if FLAGS.ab:
         if len(FLAGS.ab) != 2 or not all(
             os.path.isdir(os.path.join(d, "jaxllmq")) for d in FLAGS.ab

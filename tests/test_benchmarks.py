@@ -76,6 +76,17 @@ def test_ab_runs_each_run_with_both_packages_b_against_a():
     assert not any(r.per_gpu for r in runs) and runs[3].gpus == 2
 
 
+def test_runs_picks_labels_with_their_bases():
+    picked = run.selected(run.shapes(1) + run.kernels(1), ["llama-3.2-1b 8 x 2048", "lm_head_loss=pallas"])
+    assert [(r.recipe, r.label) for r in picked] == [
+        ("shapes", "peer llama-3.2-1b 8 x 2048"),
+        ("shapes", "llama-3.2-1b 8 x 2048"),
+        ("kernels", "auto"),
+        ("kernels", "lm_head_loss=pallas"),
+    ]
+    assert run.selected(run.shapes(1), ["no such run"]) == []
+
+
 def test_command_line():
     def runner(*args):
         cmd = [sys.executable, "-m", "benchmarks.run", *args]
@@ -89,6 +100,8 @@ def test_command_line():
     assert runner("--recipes=fp8", "--ab=/nonexistent,.", "--dry_run").stderr.strip() == (
         "error: --ab takes DIR_A,DIR_B, two directories that each hold a jaxllmq/"
     )
+    none = runner("--recipes=shapes", "--runs=gemma-9", "--dry_run")
+    assert none.returncode == 1 and none.stderr.strip().startswith("error: --runs matched no run")
     bad = runner("--recipes=speed")
     assert bad.returncode == 1
     assert bad.stderr.strip().splitlines() == [
