@@ -72,13 +72,14 @@ def measure(b: int, t: int, d: int) -> None:
         return fa.reference_attention(q, k, v, scale, first_key)
 
     variants = {"cudnn": (cudnn, reference)} if FLAGS.cudnn else {}
+
+    def ours(blocks):
+        return lambda q, k, v: fa.flash_attention(q, k, v, scale=scale, blocks=blocks)
+
     for bk in map(int, FLAGS.block_kv):
-        blocks = fa.FlashBlocks(block_kv=bk)
-        ours = lambda q, k, v, blocks=blocks: fa.flash_attention(
-            q, k, v, scale=scale, blocks=blocks
-        )  # noqa: E731
-        variants[f"mosaic kv{bk}"] = (ours, reference)
-    first, _ = fa.key_bounds(t, None, None, b)
+        variants[f"mosaic kv{bk}"] = (ours(fa.FlashBlocks(block_kv=bk)), reference)
+        fused = fa.FlashBlocks(block_kv=bk, fused_dq=True)
+        variants[f"mosaic kv{bk} fused dq"] = (ours(fused), reference)
     if FLAGS.documents:
         seg = jnp.asarray(bench.document_segment_ids(b, t))
         fk, _ = fa.key_bounds(t, seg, None, b)

@@ -68,9 +68,11 @@ def test_refuses_what_it_does_not_take_in_one_line():
 
 
 @pytest.mark.parametrize(
-    "d, documents, window", [(64, False, None), (128, True, 100)], ids=["causal-64", "bounded-128"]
+    "d, documents, window, fused",
+    [(64, False, None, False), (128, True, 100, False), (64, True, None, True)],
+    ids=["causal-64", "bounded-128", "documents-fused-dq-64"],
 )
-def test_forward_and_backward_lower_to_mosaic_gpu(d, documents, window):
+def test_forward_and_backward_lower_to_mosaic_gpu(d, documents, window, fused):
     b, t, hq, hkv = 1, 256, 4, 2
     q = jax.ShapeDtypeStruct((b, t, hq, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, t, hkv, d), jnp.bfloat16)
@@ -78,11 +80,17 @@ def test_forward_and_backward_lower_to_mosaic_gpu(d, documents, window):
 
     def loss(q, k, v, seg):
         o = fa.flash_attention(
-            q, k, v, scale=d**-0.5, segment_ids_BxT=seg if documents else None, window=window
+            q,
+            k,
+            v,
+            scale=d**-0.5,
+            segment_ids_BxT=seg if documents else None,
+            window=window,
+            blocks=fa.FlashBlocks(fused_dq=fused),
         )
         return jnp.sum(o.astype(jnp.float32))
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     module = export.export(grads, platforms=["cuda"])(q, kv, kv, seg).mlir_module()
-    # The forward and the two backward kernels, each a Mosaic GPU custom call.
-    assert len(re.findall(r"custom_call @mosaic_gpu", module)) == 3
+    # The forward and the backward's kernels (dK/dV, and dQ unless fused), Mosaic GPU calls.
+    assert len(re.findall(r"custom_call @mosaic_gpu", module)) == (2 if fused else 3)

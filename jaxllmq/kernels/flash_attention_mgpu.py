@@ -49,6 +49,9 @@ class FlashBlocks:
     bwd_block_kv: int = 64  # dK/dV: keys per compute warpgroup (a CTA takes two)
     bwd_block_q: int = 64  # dK/dV: query rows per step; dQ: query rows per warpgroup
     bwd_stages: int = 2
+    # dQ in the dK/dV kernel: each step's dS^T K goes to an fp32 dQ in memory by TMA's
+    # reduce-add, instead of a second kernel recomputing S and dP per query tile.
+    fused_dq: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,22 +174,26 @@ def _accumulate(issue, accs: tuple, interpret: bool) -> tuple:
     return pl.run_state(issue)(tuple(plgpu.ACC.init(a) for a in accs))
 
 
-def _kernel_call(body, out_type, grid, grid_names, scratch, interpret):
+def _kernel_call(body, out_type, grid, grid_names, scratch, interpret, with_refs=False):
+    """A kernel of two compute warpgroups and a memory one. with_refs: some operands are jax
+    Refs, written in place (pl.kernel aliases them; plgpu.kernel's vmap wrapper takes none)."""
+
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, *scoped), *scratch, collective_axes="wg")
 
-    return plgpu.kernel(
-        entry,
+    options = dict(
         out_type=out_type,
-        grid=grid,
-        grid_names=grid_names,
-        num_threads=3,
-        thread_name="wg",
         # Lane semantics named: newer jax lowers to warpgroup semantics by default.
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
         ),
         interpret=_interpret_params() if interpret else False,
+    )
+    if with_refs:
+        mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg")
+        return pl.kernel(entry, mesh=mesh, **options)
+    return plgpu.kernel(
+        entry, grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg", **options
     )
 
 
@@ -359,9 +366,11 @@ def forward(q, k, v, first_key, *, scale, vis: Visibility, blocks: FlashBlocks, 
     return call(*args)
 
 
-def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, interpret):
+def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, interpret, dq_sum=None):
     """(dK, dV) [B, T, Hkv, D]: a CTA per 2 x bwd_block_kv keys of a key head, over the query
-    tiles of every query head of its group that see them."""
+    tiles of every query head of its group that see them. With `dq_sum` (a zeroed fp32 Ref
+    [B, T, Hq, D]) each step also adds its dS^T K there (dQ / scale)."""
+    fused = dq_sum is not None
     b_, t, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv
@@ -372,13 +381,11 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, inter
     tr = _tile_transforms(dtype)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
-        if vis.bounded:
-            lr_ref, dk_ref, dv_ref, *scoped = rest
-        else:
-            lr_ref, (dk_ref, dv_ref, *scoped) = None, rest
-        (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, lr_smem), ready, free, kv_ready = (
-            scoped
-        )
+        rest = list(rest)
+        lr_ref = rest.pop(0) if vis.bounded else None
+        dq_ref = rest.pop(0) if fused else None
+        dk_ref, dv_ref, smem, ready, free, kv_ready = rest
+        k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, lr_smem, ds_smem, dq_smem = smem
         b = lax.axis_index("batch")
         kv_head = lax.axis_index("heads")
         first_key = lax.axis_index("kv_blocks") * keys
@@ -406,7 +413,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, inter
             unmasked_from = hi if vis.bounded else lax.min(lax.div(key0 + bk + bq - 1, bq), hi)
             zeros = _zeros((bk, d), interpret)
 
-            def step(i, carry, qb, masked):
+            def step(i, carry, g, qb, masked):
                 dk, dv = carry
                 slot = lax.rem(i, stages)
                 for barrier in ready:
@@ -446,16 +453,33 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, inter
 
                 (dk,) = _accumulate(dk_step, (dk,), interpret)
                 plgpu.barrier_arrive(free.at[slot])
+                if fused:
+                    ds_smem.at[wg][...] = ds16
+                    plgpu.commit_smem()
+
+                    def dq_step(acc_ref):
+                        ds = plgpu.transpose_ref(ds_smem.at[wg], (1, 0))
+                        plgpu.wgmma(acc_ref, ds, k_smem.at[wg])
+                        return acc_ref[...]
+
+                    part = pl.run_scoped(dq_step, plgpu.ACC((bq, d), jnp.float32))
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add has read it
+                    dq_smem.at[wg][...] = part
+                    plgpu.commit_smem()
+                    rows = pl.ds(qb * bq, bq)
+                    h = kv_head * group + g
+                    dst = dq_ref.at[b, rows, h]
+                    plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op="add")
                 return dk, dv
 
             def head(g, carry):
                 base = g * per_head - lo
 
                 def masked(qb, c):
-                    return step(base + qb, c, qb, True)
+                    return step(base + qb, c, g, qb, True)
 
                 def plain(qb, c):
-                    return step(base + qb, c, qb, False)
+                    return step(base + qb, c, g, qb, False)
 
                 carry = lax.fori_loop(lo, unmasked_from, masked, carry)
                 return lax.fori_loop(unmasked_from, hi, plain, carry)
@@ -502,17 +526,19 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, inter
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((2, bk), jnp.int32),
+            plgpu.SMEM((2, bk, bq), dtype, transforms=tr) if fused else None,
+            plgpu.SMEM((2, bq, d), jnp.float32) if fused else None,
         ),
         tuple(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_barriers=6),
     ]
     out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
-    call = _kernel_call(
-        body, out_type, (b_, hkv, t // keys), ("batch", "heads", "kv_blocks"), scratch, interpret
-    )
+    grid = (b_, hkv, t // keys)
+    names = ("batch", "heads", "kv_blocks")
+    call = _kernel_call(body, out_type, grid, names, scratch, interpret, with_refs=fused)
     args = (q, k, v, do, lse, delta) + ((last_row,) if vis.bounded else ())
-    return call(*args)
+    return call(*args, *((dq_sum,) if fused else ()))
 
 
 def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks, interpret):
@@ -673,8 +699,13 @@ def _flash_bwd(scale, vis, blocks, interpret, res, do):
     do = do.astype(q.dtype)
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
     kw = dict(scale=scale, vis=vis, blocks=blocks, interpret=interpret)
-    dk, dv = backward_dkv(q, k, v, do, lse, delta, last_row, **kw)
-    dq = backward_dq(q, k, v, do, lse, delta, first_key, **kw)
+    if blocks.fused_dq:
+        dq_sum = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+        dk, dv = backward_dkv(q, k, v, do, lse, delta, last_row, dq_sum=dq_sum, **kw)
+        dq = (dq_sum[...] * scale).astype(q.dtype)
+    else:
+        dk, dv = backward_dkv(q, k, v, do, lse, delta, last_row, **kw)
+        dq = backward_dq(q, k, v, do, lse, delta, first_key, **kw)
     none = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731 (int inputs)
     return dq, dk, dv, none(first_key), none(last_row)
 
