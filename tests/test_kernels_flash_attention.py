@@ -57,23 +57,22 @@ def test_reference_is_xla_attention_over_documents_and_a_window():
 
 
 def test_refuses_what_it_does_not_take_in_one_line():
-    blocks = fa.FlashBlocks()
-    assert fa.fits((1, 256, 8, 64), (1, 256, 2, 64), jnp.bfloat16, blocks) is None
-    assert "head dim 80" in fa.fits((1, 256, 8, 80), (1, 256, 2, 80), jnp.bfloat16, blocks)
-    assert "float32" in fa.fits((1, 256, 8, 64), (1, 256, 2, 64), jnp.float32, blocks)
-    assert "sequence length 200" in fa.fits((1, 200, 8, 64), (1, 200, 2, 64), jnp.bfloat16, blocks)
+    assert fa.fits(64, 8, 2, jnp.bfloat16) is None
+    assert fa.fits(80, 8, 2, jnp.bfloat16) == "head dim 80 (it takes 64 or 128)"
+    assert fa.fits(128, 8, 2, jnp.float32) == "float32 (it takes bfloat16 or float16)"
+    assert fa.fits(64, 8, 3, jnp.bfloat16) == "8 query heads over 3 key heads"
     with pytest.raises(ValueError, match="does not take head dim 96"):
         x = jnp.zeros((1, 256, 2, 96), jnp.bfloat16)
         fa.flash_attention(x, x, x, scale=1.0)
 
 
 @pytest.mark.parametrize(
-    "d, documents, window, fused",
-    [(64, False, None, False), (128, True, 100, False), (64, True, None, True)],
-    ids=["causal-64", "bounded-128", "documents-fused-dq-64"],
+    "t, d, documents, window, fused",
+    [(256, 64, False, None, False), (256, 128, True, 100, False), (200, 64, True, None, True)],
+    ids=["causal-64", "bounded-128", "padded-documents-fused-dq-64"],
 )
-def test_forward_and_backward_lower_to_mosaic_gpu(d, documents, window, fused):
-    b, t, hq, hkv = 1, 256, 4, 2
+def test_forward_and_backward_lower_to_mosaic_gpu(t, d, documents, window, fused):
+    b, hq, hkv = 1, 4, 2
     q = jax.ShapeDtypeStruct((b, t, hq, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, t, hkv, d), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((b, t), jnp.int32)

@@ -67,22 +67,22 @@ class Visibility:
         return self.window is not None or self.documents
 
 
-def fits(
-    q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype, blocks: FlashBlocks
-) -> str | None:
-    """Why the kernel cannot take q [B, T, Hq, D], k [B, T, Hkv, D] in `dtype` (None: it can)."""
-    _, t, hq, d = q_shape
-    if d not in HEAD_DIMS:
-        return f"head dim {d} (the kernel takes {HEAD_DIMS})"
+def fits(head_dim: int, heads: int, kv_heads: int, dtype) -> str | None:
+    """Why the kernel cannot take these heads in `dtype` (None: it can). Any sequence length:
+    flash_attention pads it to whole tiles."""
+    if head_dim not in HEAD_DIMS:
+        return f"head dim {head_dim} (it takes {' or '.join(map(str, HEAD_DIMS))})"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"dtype {jnp.dtype(dtype).name} (the kernel takes bfloat16 or float16)"
-    if hq % k_shape[2]:
-        return f"{hq} query heads over {k_shape[2]} key heads"
-    tiles = (2 * blocks.block_q, blocks.block_kv, 2 * blocks.bwd_block_kv, 2 * blocks.bwd_block_q)
-    step = math.lcm(*tiles)
-    if t % step:
-        return f"sequence length {t} (a multiple of {step})"
+        return f"{jnp.dtype(dtype).name} (it takes bfloat16 or float16)"
+    if heads % kv_heads:
+        return f"{heads} query heads over {kv_heads} key heads"
     return None
+
+
+def _tile_multiple(blocks: FlashBlocks) -> int:
+    """The sequence lengths every kernel's tiles divide."""
+    tiles = (2 * blocks.block_q, blocks.block_kv, 2 * blocks.bwd_block_kv, 2 * blocks.bwd_block_q)
+    return math.lcm(*tiles)
 
 
 def key_bounds(
@@ -725,15 +725,22 @@ def flash_attention(
     interpret: bool = False,
 ) -> jax.Array:
     """Causal attention [B, T, Hq, D] of q over k, v [B, T, Hkv, D] (Hq a multiple of Hkv),
-    within each document of `segment_ids_BxT` and a sliding `window`, where `fits` says so."""
-    why = fits(q_BxTxNxH.shape, k_BxTxKxH.shape, q_BxTxNxH.dtype, blocks)
+    within each document of `segment_ids_BxT` and a sliding `window`, where `fits` says so.
+    A T that is not a multiple of the tiles is padded at the end (causal attention keeps the
+    padding out of every real query's keys) and the output cut back."""
+    b, t, hq, d = q_BxTxNxH.shape
+    why = fits(d, hq, k_BxTxKxH.shape[2], q_BxTxNxH.dtype)
     if why:
         raise ValueError(f"flash_attention_mgpu: the kernel does not take {why}")
-    vis = Visibility(window=window, documents=segment_ids_BxT is not None)
+    pad = -t % _tile_multiple(blocks)
+    q, k, v, seg = q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+        if seg is not None:  # the padding a document of its own
+            seg = jnp.concatenate([seg, jnp.repeat(seg[:, -1:] + 1, pad, axis=1)], axis=1)
+    vis = Visibility(window=window, documents=seg is not None)
     first_key = last_row = None
     if vis.bounded:
-        b, t = q_BxTxNxH.shape[:2]
-        first_key, last_row = key_bounds(t, segment_ids_BxT, window, b)
-    return _flash(
-        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, first_key, last_row, scale, vis, blocks, interpret
-    )
+        first_key, last_row = key_bounds(t + pad, seg, window, b)
+    o = _flash(q, k, v, first_key, last_row, scale, vis, blocks, interpret)
+    return o[:, :t] if pad else o
