@@ -4,16 +4,26 @@ variant lowers to Mosaic GPU for a GPU (jax.export for cuda needs no GPU). Mosai
 interpreter lacks what the kernel is built from (transposed wgmma operands, P from registers,
 accumulators kept across calls), so its numerics are checked on the GPU (tests/gpu)."""
 
+import dataclasses
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax import export
 
 from jaxllmq.kernels import flash_attention_mgpu as fa
 from jaxllmq.model import attention
+from jaxllmq.model.architecture import ModelConfigError, preset
+from jaxllmq.model.llama import Llama
+from jaxllmq.plan import make_plan
+from jaxllmq.settings import ModelSpec
+
+H200 = dict(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0")
+A100 = dict(platform="gpu", device_kind="NVIDIA A100-SXM4-80GB", compute_capability="8.0")
+CPU = dict(platform="cpu", device_kind="cpu")
 
 
 def _segments(rows: int, t: int, starts: list[int]) -> jax.Array:
@@ -93,3 +103,54 @@ def test_forward_and_backward_lower_to_mosaic_gpu(t, d, documents, window, fused
     module = export.export(grads, platforms=["cuda"])(q, kv, kv, seg).mlir_module()
     # The forward and the backward's kernels (dK/dV, and dQ unless fused), Mosaic GPU calls.
     assert len(re.findall(r"custom_call @mosaic_gpu", module)) == (2 if fused else 3)
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_a_model_with_mosaic_attention_lowers_with_documents(scan_layers):
+    cfg = dataclasses.replace(preset("tiny"), num_hidden_layers=2, vocab_size=256, head_dim=64)
+    model = Llama(
+        cfg,
+        rngs=nnx.Rngs(0),
+        param_dtype=jnp.bfloat16,
+        dtype=jnp.bfloat16,
+        attention="mosaic",
+        scan_layers=scan_layers,
+    )
+    graphdef, params = nnx.split(model)
+    tokens = jax.ShapeDtypeStruct((2, 192), jnp.int32)
+
+    def loss(params, tokens, segments):
+        hidden = nnx.merge(graphdef, params)(tokens, segment_ids_BxT=segments)
+        return jnp.sum(hidden.astype(jnp.float32))
+
+    grads = jax.jit(jax.grad(loss))
+    module = export.export(grads, platforms=["cuda"])(params, tokens, tokens).mlir_module()
+    calls = len(re.findall(r"custom_call @mosaic_gpu", module))
+    # forward + dK/dV + dQ per layer; a scan lowers one layer's body.
+    assert calls == (3 if scan_layers else 3 * cfg.num_hidden_layers)
+
+
+@pytest.mark.parametrize(
+    "cfg, hardware, mesh, message",
+    [
+        ("llama-3.2-1b", CPU, (1, 1, 1), "runs on a Hopper GPU (H100, H200) only, not on cpu"),
+        ("llama-3.2-1b", A100, (1, 1, 1), "only, not on this GPU"),
+        ("llama-3.2-1b", H200, (2, 1, 1), "runs on one device for now (2 here)"),
+        ("gemma-3-1b", H200, (1, 1, 1), "does not take head dim 256 (it takes 64 or 128)"),
+    ],
+)
+def test_the_plan_refuses_mosaic_attention_where_it_cannot_run(cfg, hardware, mesh, message):
+    spec = ModelSpec(model=cfg, from_scratch=True, matmul_dtype="bfloat16", attention="mosaic")
+    spec = dataclasses.replace(spec, scan_layers=False)
+    shape = dict(zip(("data", "fsdp", "tensor"), mesh, strict=True))
+    with pytest.raises(ModelConfigError, match=re.escape(message)):
+        make_plan(preset(cfg), spec, mesh_shape=shape, **hardware)
+
+
+def test_the_plan_runs_mosaic_attention_on_one_hopper_gpu():
+    spec = ModelSpec(model="llama-3.2-1b", from_scratch=True, matmul_dtype="bfloat16")
+    spec = dataclasses.replace(spec, attention="mosaic")
+    mesh = {"data": 1, "fsdp": 1, "tensor": 1}
+    plan = make_plan(preset("llama-3.2-1b"), spec, mesh_shape=mesh, **H200, documents_per_window=32)
+    assert plan.attention == "mosaic"
+    assert "mosaic (documents by segment ids, up to 32 a window)" in plan.describe()
