@@ -1,7 +1,7 @@
 """jaxllmq's Mosaic GPU flash attention against cuDNN's: forward + backward times and errors.
 
 Causal GQA attention forward + backward (and forward alone) at each shape and head dim, cuDNN's
-fused kernel beside ours (`jaxllmq/kernels/flash_attention_mgpu.py`), with the errors of each
+fused kernel beside ours (`jaxllmq/kernels/flash_attention/`), with the errors of each
 against a float32 XLA reference; then ours over packed documents (the bench's log-normal length
 mix) and with a sliding window against ours causal at the same shape. Times are the median over
 batches of calls issued back to back. One JSON line per measurement.
@@ -19,7 +19,7 @@ from absl import app, flags
 
 from jaxllmq import bench
 from jaxllmq.cli import flags as cli_flags
-from jaxllmq.kernels import flash_attention_mgpu as fa
+from jaxllmq.kernels import flash_attention as fa
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["8x2048", "4x4096", "2x8192"], "Batch x sequence length pairs.")

@@ -149,7 +149,7 @@ def gather_embed_below(vocab: int, mesh_shape: Mapping[str, int], zero_level: in
 
 def _check_mosaic_attention(model_cfg, dtype, platform, hopper, devices) -> None:
     """Refuses --attention=mosaic where the kernel cannot run, in one line."""
-    from jaxllmq.kernels import flash_attention_mgpu
+    from jaxllmq.kernels import flash_attention
 
     if platform not in ("gpu", "cuda") or not hopper:
         where = "this GPU" if platform in ("gpu", "cuda") else platform
@@ -162,7 +162,7 @@ def _check_mosaic_attention(model_cfg, dtype, platform, hopper, devices) -> None
             f"--attention=mosaic runs on one device for now ({devices} here): its kernel has no "
             "sharding rule yet; use --attention=auto"
         )
-    why = flash_attention_mgpu.fits(
+    why = flash_attention.fits(
         model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_key_value_heads, dtype
     )
     if why:

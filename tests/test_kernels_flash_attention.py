@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from jax import export
 
-from jaxllmq.kernels import flash_attention_mgpu as fa
+from jaxllmq.kernels import flash_attention as fa
 from jaxllmq.model import attention
 from jaxllmq.model.architecture import ModelConfigError, preset
 from jaxllmq.model.llama import Llama

@@ -1,6 +1,6 @@
 """Attention: which implementation runs (resolve_attention), causal GQA attention with a sliding
 window and a KV cache (attend), and over packed documents XLA's mask, cuDNN's packed layout or
-jaxllmq's own Mosaic GPU flash attention (kernels/flash_attention_mgpu.py, "mosaic", which
+jaxllmq's own Mosaic GPU flash attention (kernels/flash_attention/, "mosaic", which
 takes the segment ids as they are and skips the tiles between documents).
 
 cuDNN's fused attention takes a window's documents as segments (offsets and lengths), each
@@ -118,10 +118,10 @@ def attend_documents(
 
 
 def _mosaic(q, k, v, segment_ids, window, scale):
-    from jaxllmq.kernels import flash_attention_mgpu
+    from jaxllmq.kernels import flash_attention
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return flash_attention_mgpu.flash_attention(
+    return flash_attention.flash_attention(
         q, k, v, scale=scale, segment_ids_BxT=segment_ids, window=window
     )
 

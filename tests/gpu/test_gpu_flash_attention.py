@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxllmq import bench
-from jaxllmq.kernels import flash_attention_mgpu as fa
+from jaxllmq.kernels import flash_attention as fa
 
 pytestmark = pytest.mark.gpu
 

@@ -1,0 +1,122 @@
+"""Tiles, register layouts and the kernel launch shared by the forward and backward."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+LOG2E = math.log2(math.e)
+# Registers per thread of a compute and of the memory warpgroup: (2 x 232 + 40) x 128 threads
+# fits an SM's 65,536; asking for more makes setmaxnreg wait forever.
+COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
+# Running maxima start here, not at -inf, so a row with no visible key in a tile stays finite.
+NO_MAX = -1e30
+HEAD_DIMS = (64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashBlocks:
+    """Tile sizes (multiples of 64)."""
+
+    block_q: int = 64  # forward: query rows per compute warpgroup (a CTA takes two)
+    block_kv: int = 128  # forward: keys per step
+    stages: int = 2  # forward: key/value tiles in flight
+    bwd_block_kv: int = 64  # dK/dV: keys per compute warpgroup (a CTA takes two)
+    bwd_block_q: int = 64  # dK/dV: query rows per step; dQ: query rows per warpgroup
+    bwd_stages: int = 2
+    # dQ in the dK/dV kernel: each step's dS^T K goes to an fp32 dQ in memory by TMA's
+    # reduce-add, instead of a second kernel recomputing S and dP per query tile.
+    fused_dq: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Visibility:
+    """Which keys a query sees besides causality: a sliding window (keys j with r - j < window)
+    and packed documents (first_key/last_row arrays given at the call)."""
+
+    window: int | None = None
+    documents: bool = False
+
+    @property
+    def bounded(self) -> bool:
+        return self.window is not None or self.documents
+
+
+def interpret_params():
+    """Mosaic GPU's interpret mode (jax keeps its parameters class private)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def tile_transforms(dtype) -> tuple:
+    """Shared-memory transforms of [rows, D] tiles (D >= 64 elements of 16 bits: 128-byte rows)."""
+    return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+
+
+def row(ref):
+    """A [rows] vector in shared memory, laid out along the rows of a wgmma accumulator."""
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+
+
+def col(ref):
+    """A [cols] vector in shared memory, laid out along the columns of a wgmma accumulator."""
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+
+
+def iota(shape, dim, interpret):
+    if interpret:  # the interpreter knows no register layouts
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def zeros(shape, interpret, fill=0.0):
+    """fp32 registers laid out as a wgmma accumulator ([rows, cols]) or along its rows ([rows])."""
+    x = jnp.full(shape, fill, jnp.float32)
+    if interpret:
+        return x
+    layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)
+    return plgpu.layout_cast(x, layout)
+
+
+def accumulate(issue, accs: tuple, interpret: bool) -> tuple:
+    """accs (fp32 registers) plus the products `issue(refs)` puts into wgmma accumulator refs.
+    On a GPU the products accumulate in place (pl.run_state); Mosaic GPU's interpreter has no
+    run_state, so there they are taken from zeroed accumulators and added."""
+    if interpret:
+
+        def scoped(*refs):
+            issue(refs)
+            return tuple(r[...] for r in refs)
+
+        products = pl.run_scoped(scoped, *(plgpu.ACC(a.shape, a.dtype) for a in accs))
+        return tuple(a + p for a, p in zip(accs, products, strict=True))
+    return pl.run_state(issue)(tuple(plgpu.ACC.init(a) for a in accs))
+
+
+def kernel_call(body, out_type, grid, grid_names, scratch, interpret, with_refs=False):
+    """A kernel of two compute warpgroups and a memory one. with_refs: some operands are jax
+    Refs, written in place (pl.kernel aliases them; plgpu.kernel's vmap wrapper takes none)."""
+
+    def entry(*refs):
+        pl.run_scoped(lambda *scoped: body(*refs, *scoped), *scratch, collective_axes="wg")
+
+    options = dict(
+        out_type=out_type,
+        # Lane semantics named: newer jax lowers to warpgroup semantics by default.
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
+        ),
+        interpret=interpret_params() if interpret else False,
+    )
+    if with_refs:
+        mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg")
+        return pl.kernel(entry, mesh=mesh, **options)
+    return plgpu.kernel(
+        entry, grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg", **options
+    )
