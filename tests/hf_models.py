@@ -92,36 +92,56 @@ def tiny_mistral(path: str, sliding_window: int, seed: int = 0) -> transformers.
 def tiny_gemma3(path: str, seed: int = 0) -> transformers.PreTrainedModel:
     """A Gemma 3 of 4 layers (local, local, global, local: window 8), GQA, head_dim 32 over
     hidden 64, linear RoPE scaling on the global layer, tied embeddings, saved as safetensors."""
-    cfg = dict(
-        vocab_size=263,
-        hidden_size=64,
-        intermediate_size=144,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        query_pre_attn_scalar=24,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=256,
-        sliding_window=8,
-        layer_types=[
-            "sliding_attention",
-            "sliding_attention",
-            "full_attention",
-            "sliding_attention",
-        ],
-        rope_parameters={
-            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-        },
-        tie_word_embeddings=True,
-    )
     return _build(
         transformers.Gemma3ForCausalLM,
-        transformers.Gemma3TextConfig(**cfg),
+        transformers.Gemma3TextConfig(**_TINY_GEMMA3),
         path,
         seed,
     )
+
+
+def tiny_gemma3_image_text(path: str, seed: int = 0) -> transformers.PreTrainedModel:
+    """tiny_gemma3's language model inside an image-text Gemma 3 (a one-layer SigLIP vision
+    tower and its projector beside it), saved as transformers saves one."""
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    special = dict(image_token_index=262, boi_token_index=260, eoi_token_index=261)
+    cfg = transformers.Gemma3Config(
+        text_config=_TINY_GEMMA3, vision_config=vision, mm_tokens_per_image=4, **special
+    )
+    return _build(transformers.Gemma3ForConditionalGeneration, cfg, path, seed)
+
+
+_TINY_GEMMA3 = dict(
+    vocab_size=263,
+    hidden_size=64,
+    intermediate_size=144,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    query_pre_attn_scalar=24,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+    sliding_window=8,
+    layer_types=[
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+    ],
+    rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    },
+    tie_word_embeddings=True,
+)
 
 
 def _build(cls, cfg, path: str, seed: int) -> transformers.PreTrainedModel:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from hf_models import hf_logits, tiny_gemma3
+from hf_models import hf_logits, tiny_gemma3, tiny_gemma3_image_text
 from jax.sharding import PartitionSpec as P
 
 from jaxllmq.model import hf
@@ -143,6 +143,48 @@ def test_export_loads_in_transformers_with_the_same_logits(hf_dir, tmp_path):
     with torch.no_grad():
         for name, p in ref.state_dict().items():
             np.testing.assert_array_equal(again.state_dict()[name].numpy(), p.numpy(), name)
+
+
+def test_an_image_text_checkpoint_trains_and_exports_its_language_model(tmp_path):
+    """Gemma 3 4B/12B/27B are published image-text (Gemma3ForConditionalGeneration): their
+    language model is read, its logits on text those of the whole model, and it exports alone."""
+    path = str(tmp_path / "image-text")
+    ref = tiny_gemma3_image_text(path)
+    model = hf.from_pretrained(path, attention="xla")
+    assert model.cfg.architecture == "Gemma3ForCausalLM"
+    assert model.cfg.layer_windows() == (8, 8, None, 8)
+    tokens = _tokens(model.cfg.vocab_size - 3)  # not its image tokens
+    np.testing.assert_allclose(model.logits(tokens), hf_logits(ref, tokens), atol=1e-4)
+    out = str(tmp_path / "out")
+    hf.save_pretrained(out, model)
+    text = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    assert isinstance(text, transformers.Gemma3ForCausalLM)
+    np.testing.assert_allclose(hf_logits(text, tokens), hf_logits(ref, tokens), atol=1e-5)
+
+
+def test_an_image_text_config_fills_what_its_text_config_leaves_out_as_transformers_does():
+    # gemma-3-4b-pt's text_config as published: transformers' defaults fill the rest.
+    sparse = {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    }
+    config = {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": sparse}
+    ours = ModelConfig.from_hf_dict(config)
+    assert ours == ModelConfig.from_hf_dict(GEMMA3_4B_TEXT)
+    theirs = transformers.Gemma3TextConfig(**sparse)
+    fields = ("vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    for field in fields + ("bos_token_id", "eos_token_id"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    # The whole model's end-of-turn ids (the instruction-tuned configs list two) reach it.
+    tuned = ModelConfig.from_hf_dict(dict(config, eos_token_id=[1, 106]))
+    assert tuned.eos_token_id == [1, 106]
+    bad = {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": [1]}
+    with pytest.raises(ModelConfigError, match="text_config must be an object, got list"):
+        ModelConfig.from_hf_dict(bad)
 
 
 def test_the_plan_runs_xla_norms_and_scans_windows_in_xla_attention():

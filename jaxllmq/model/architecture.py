@@ -7,7 +7,7 @@ from typing import Any
 
 from jaxllmq.model import families
 from jaxllmq.model.checks import ModelConfigError, check_int, check_number, is_int
-from jaxllmq.model.families import GEMMA3, SLIDING
+from jaxllmq.model.families import GEMMA3, GEMMA3_IMAGE_TEXT, SLIDING
 from jaxllmq.model.rope import RopeScaling, inv_freq, read_rope, scaling_dict
 
 # Architectures whose math is this module's: Llama's decoder (Mistral adds a sliding window;
@@ -201,6 +201,8 @@ class ModelConfig:
 
     @classmethod
     def _from_hf_fields(cls, d: dict[str, Any]) -> "ModelConfig":
+        if d.get("architectures") == [GEMMA3_IMAGE_TEXT]:  # its language model (hf.py: weights)
+            d = families.gemma3_text_config(d)
         archs = d.get("architectures") or []
         if not isinstance(archs, list) or len(archs) != 1:
             raise ModelConfigError(f"expected one entry in 'architectures', got {archs!r}")

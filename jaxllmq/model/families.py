@@ -9,6 +9,7 @@ from jaxllmq.model.rope import RopeScaling, read_rope
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 GEMMA3 = "Gemma3ForCausalLM"
+GEMMA3_IMAGE_TEXT = "Gemma3ForConditionalGeneration"
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Gemma 3's defaults where its config.json leaves a field out (transformers' Gemma3TextConfig).
 GEMMA3_DEFAULTS = dict(
@@ -22,6 +23,32 @@ GEMMA3_DEFAULTS = dict(
     max_position_embeddings=131072,
     tie_word_embeddings=True,
 )
+
+
+# What an image-text Gemma 3's text_config may leave out besides GEMMA3_DEFAULTS: transformers'
+# Gemma3TextConfig defaults (the 4B/12B/27B configs rely on some of them).
+GEMMA3_TEXT_CONFIG_DEFAULTS = dict(
+    vocab_size=262_208,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    bos_token_id=2,
+    eos_token_id=1,
+)
+
+
+def gemma3_text_config(d: dict[str, Any]) -> dict[str, Any]:
+    """The config.json of an image-text Gemma 3's language model, as a Gemma3ForCausalLM's:
+    its text_config, with the whole model's token ids, then transformers' defaults, where it
+    leaves a field out."""
+    text = d.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise ModelConfigError(f"text_config must be an object, got {type(text).__name__}")
+    ids = {k: d[k] for k in ("bos_token_id", "eos_token_id") if d.get(k) is not None}
+    given = {k: v for k, v in text.items() if v is not None}
+    return {**GEMMA3_TEXT_CONFIG_DEFAULTS, **ids, **given, "architectures": [GEMMA3]}
 
 
 def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[str, ...]:

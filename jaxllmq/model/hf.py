@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
@@ -49,6 +50,17 @@ TOP_NAMES: dict[str, tuple[str, bool]] = {
 }
 # Buffers some older checkpoints carry that hold no parameters.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# An image-text checkpoint's language model is stored under one of these prefixes (transformers
+# saves Gemma 3's as the first, holds it in memory as the second), beside tensors of the vision
+# side that a causal LM does not read.
+_LANGUAGE_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
+_LANGUAGE_MODEL_HEADS = ("language_model.lm_head.weight",)
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
 _DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 
@@ -107,6 +119,24 @@ def _tensor_index(path: str) -> dict[str, str]:
     )
 
 
+def _language_model(files: dict[str, str]) -> tuple[dict[str, str], dict[str, str], int]:
+    """`files` under a causal LM's names where they hold an image-text model's language model:
+    (name -> file, name -> the name stored in the file, how many vision tensors were left)."""
+    if not any(n.startswith(_LANGUAGE_MODEL_PREFIXES) for n in files):
+        return files, {}, 0
+    named, stored, vision = {}, {}, 0
+    for n, file in files.items():
+        if n.startswith(_VISION_PREFIXES):
+            vision += 1
+            continue
+        name = "lm_head.weight" if n in _LANGUAGE_MODEL_HEADS else n
+        for prefix in _LANGUAGE_MODEL_PREFIXES:
+            if n.startswith(prefix):
+                name = "model." + n[len(prefix) :]
+        named[name], stored[name] = file, n
+    return named, stored, vision
+
+
 def _check_header(
     f, names: set[str], file: str, name: str, transposed: bool, want: tuple[int, ...]
 ) -> None:
@@ -156,7 +186,15 @@ def load_hf_params(
     jax.device_put), so a caller can put it straight into its sharding.
     """
     place = place or (lambda _, x: jax.device_put(x))
-    files = _tensor_index(path)
+    files, stored, vision = _language_model(_tensor_index(path))
+    if vision:
+        logging.info(
+            "%s: an image-text checkpoint: its language model is read, its %d vision tensors "
+            "are not (an export is the language model alone, a %s)",
+            path,
+            vision,
+            cfg.architecture,
+        )
     expected = list(_expected(cfg, abstract))
     wanted = {name for _, name, _, _ in expected}
     extra = [
@@ -193,12 +231,14 @@ def load_hf_params(
             for name, transposed, layer in entries:
                 want = spec.shape if layer is None else spec.shape[1:]
                 file = files[name]
-                _check_header(handles[file], names[file], file, name, transposed, want)
+                _check_header(
+                    handles[file], names[file], file, stored.get(name, name), transposed, want
+                )
         for key, entries in by_param.items():
             spec = abstract[key[0]] if len(key) == 1 else abstract["layers"][key[1]]
             host = np.empty(spec.shape, _np_dtype(spec.dtype))
             for name, transposed, layer in entries:
-                t = handles[files[name]].get_tensor(name)
+                t = handles[files[name]].get_tensor(stored.get(name, name))
                 t = t.T if transposed else t
                 if layer is None:
                     host[...] = t.astype(host.dtype)
