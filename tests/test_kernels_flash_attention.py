@@ -15,6 +15,7 @@ from flax import nnx
 from jax import export
 
 from jaxllmq.kernels import flash_attention as fa
+from jaxllmq.kernels.flash_attention import common
 from jaxllmq.model import attention
 from jaxllmq.model.architecture import ModelConfigError, preset
 from jaxllmq.model.llama import Llama
@@ -154,3 +155,30 @@ def test_the_plan_runs_mosaic_attention_on_one_hopper_gpu():
     plan = make_plan(preset("llama-3.2-1b"), spec, mesh_shape=mesh, **H200, documents_per_window=32)
     assert plan.attention == "mosaic"
     assert "mosaic (documents by segment ids, up to 32 a window)" in plan.describe()
+
+
+@pytest.mark.parametrize("key_tile", [64, 128])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("documents", [False, True])
+def test_the_tiles_left_unmasked_are_those_seen_whole(window, documents, key_tile):
+    """The tile ranges the kernels compute without a mask are exactly the tiles whose every key
+    every query of the block sees (forward and dQ by query blocks, dK/dV by key blocks)."""
+    t, rows, tile = 1024, 64, 64
+    seg = _segments(1, t, [130, 131, 300, 777]) if documents else None
+    vis = common.Visibility(window=window, documents=documents)
+    first, last = fa.key_bounds(t, seg, window, 1)
+    pos = np.arange(t)
+    sees = (pos[None, :] <= pos[:, None]) & (pos[None, :] >= np.asarray(first)[0][:, None])
+    whole = sees.reshape(t // tile, tile, t // tile, tile).all(axis=(1, 3))  # [query, key] tiles
+    by_keys = sees.reshape(t // rows, rows, t // key_tile, key_tile).all(axis=(1, 3))
+    for block in range(t // rows):
+        row0 = block * rows
+        hi = (row0 + rows + key_tile - 1) // key_tile
+        lo = int(first[0, row0]) // key_tile
+        start, end = common.unmasked_key_tiles(first, 0, row0, rows, key_tile, lo, hi, vis)
+        assert lo <= int(start) <= int(end) <= hi
+        want = [kb for kb in range(lo, hi) if by_keys[block, kb]]
+        assert list(range(int(start), int(end))) == want, ("keys", row0)
+        start, end = common.unmasked_query_tiles(last, 0, row0, rows, tile, t // tile, vis)
+        want = [qb for qb in range(block, t // tile) if whole[qb, block]]
+        assert list(range(int(start), int(end))) == want, ("queries", row0)

@@ -56,8 +56,9 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, inter
                 plgpu.barrier_wait(kv_ready.at[4 + wg])
             plgpu.barrier_wait(kv_ready.at[wg])
             plgpu.barrier_wait(kv_ready.at[2 + wg])
-            # Query tiles from `unmasked_from` on lie wholly at or past these keys' diagonal.
-            unmasked_from = hi if vis.bounded else lax.min(lax.div(key0 + bk + bq - 1, bq), hi)
+            unmasked_from, unmasked_to = common.unmasked_query_tiles(
+                lr_ref, b, key0, bk, bq, hi, vis
+            )
             zeros = common.zeros((bk, d), interpret)
 
             def step(i, carry, g, qb, masked):
@@ -132,8 +133,9 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, inter
                 def plain(qb, c):
                     return step(base + qb, c, g, qb, False)
 
-                carry = lax.fori_loop(lo, unmasked_from, masked, carry)
-                return lax.fori_loop(unmasked_from, hi, plain, carry)
+                for start, end, mask in common.spans(lo, unmasked_from, unmasked_to, hi):
+                    carry = lax.fori_loop(start, end, masked if mask else plain, carry)
+                return carry
 
             dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
             k_smem.at[wg][...] = (dk * scale).astype(dtype)
@@ -237,7 +239,7 @@ def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks, inter
             for n in range(len(copies)):
                 plgpu.barrier_wait(own_ready.at[5 * wg + n])
             own_hi = lax.div(row0 + bq + bk - 1, bk)
-            unmasked_end = lo if vis.bounded else lax.min(lax.div(row0 + 1, bk), own_hi)
+            unmasked = common.unmasked_key_tiles(fk_ref, b, row0, bq, bk, lo, own_hi, vis)
             lse_r = lax.broadcast_in_dim(common.row(lse_smem.at[wg]), (bq, bk), [0])
             delta_r = lax.broadcast_in_dim(common.row(delta_smem.at[wg]), (bq, bk), [0])
 
@@ -284,8 +286,8 @@ def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks, inter
                 plgpu.barrier_arrive(free.at[slot])
 
             dq = common.zeros((bq, d), interpret)
-            dq = lax.fori_loop(lo, unmasked_end, functools.partial(step, masked=False), dq)
-            dq = lax.fori_loop(unmasked_end, own_hi, functools.partial(step, masked=True), dq)
+            for start, end, masked in common.spans(lo, *unmasked, own_hi):
+                dq = lax.fori_loop(start, end, functools.partial(step, masked=masked), dq)
             lax.fori_loop(own_hi, hi, release, None)
             q_smem.at[wg][...] = (dq * scale).astype(dtype)
             plgpu.commit_smem()

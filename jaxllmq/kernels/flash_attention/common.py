@@ -120,3 +120,33 @@ def kernel_call(body, out_type, grid, grid_names, scratch, interpret, with_refs=
     return plgpu.kernel(
         entry, grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg", **options
     )
+
+
+def unmasked_key_tiles(fk_ref, b, row0, rows, bk, lo, hi, vis: Visibility):
+    """(start, end): the key tiles in [lo, hi) that rows row0.. row0 + rows - 1 all see whole,
+    wholly at or below every row's diagonal and, bounded, at or past every row's first key
+    (first_key rises with the row, so the last row's bounds them all)."""
+    end = lax.min(lax.div(row0 + 1, bk), hi)
+    if not vis.bounded:
+        return lo, end
+    first = lax.div(fk_ref[b, row0 + rows - 1] + bk - 1, bk)
+    return lax.min(lax.max(lo, first), end), end
+
+
+def unmasked_query_tiles(lr_ref, b, key0, keys, bq, hi, vis: Visibility):
+    """(start, end): the query tiles below `hi` whose rows all see keys key0.. key0 + keys - 1,
+    wholly past their diagonal and, bounded, up to the last row that sees the first key
+    (last_row rises with the key, so the first key's bounds them all)."""
+    start = lax.min(lax.div(key0 + keys + bq - 1, bq), hi)
+    if not vis.bounded:
+        return start, hi
+    return start, lax.max(lax.min(lax.div(lr_ref[b, key0] + 1, bq), hi), start)
+
+
+def spans(lo, unmasked_start, unmasked_end, hi):
+    """The steps [lo, hi) as (start, end, masked) around the unmasked span, in order."""
+    return (
+        (lo, unmasked_start, True),
+        (unmasked_start, unmasked_end, False),
+        (unmasked_end, hi, True),
+    )

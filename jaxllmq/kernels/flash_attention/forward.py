@@ -55,8 +55,7 @@ def forward(
                 plgpu.barrier_wait(q_ready.at[2 + wg])
             plgpu.barrier_wait(q_ready.at[wg])
             own_hi = lax.div(row0 + bq + bk - 1, bk)
-            # Tiles before `unmasked_end` lie wholly at or below every row's diagonal.
-            unmasked_end = lo if vis.bounded else lax.div(row0 + 1, bk)
+            unmasked = common.unmasked_key_tiles(fk_ref, b, row0, bq, bk, lo, own_hi, vis)
             m = common.zeros((bq,), interpret, common.NO_MAX)
             denom = common.zeros((bq,), interpret)
             acc = common.zeros((bq, d), interpret)
@@ -116,13 +115,10 @@ def forward(
                 take_turn()
                 take_turn()
 
-            unmasked_end = lax.min(unmasked_end, own_hi)
-            carry = lax.fori_loop(
-                lo, unmasked_end, functools.partial(step, masked=False), (acc, m, denom)
-            )
-            acc, m, denom = lax.fori_loop(
-                unmasked_end, own_hi, functools.partial(step, masked=True), carry
-            )
+            carry = (acc, m, denom)
+            for start, end, masked in common.spans(lo, *unmasked, own_hi):
+                carry = lax.fori_loop(start, end, functools.partial(step, masked=masked), carry)
+            acc, m, denom = carry
             lax.fori_loop(own_hi, hi, release, None)
             pl.when(wg == 0)(take_turn)
 
