@@ -77,7 +77,9 @@ def test_ab_runs_each_run_with_both_packages_b_against_a():
 
 
 def test_runs_picks_labels_with_their_bases():
-    picked = run.selected(run.shapes(1) + run.kernels(1), ["llama-3.2-1b 8 x 2048", "lm_head_loss=pallas"])
+    picked = run.selected(
+        run.shapes(1) + run.kernels(1), ["llama-3.2-1b 8 x 2048", "lm_head_loss=pallas"]
+    )
     assert [(r.recipe, r.label) for r in picked] == [
         ("shapes", "peer llama-3.2-1b 8 x 2048"),
         ("shapes", "llama-3.2-1b 8 x 2048"),
