@@ -20,6 +20,8 @@ from jaxllmq.settings import ModelSpec, OptimConfig
 CFG = dataclasses.replace(preset("tiny"), num_hidden_layers=2, vocab_size=512)
 SPEC = ModelSpec(model="tiny", from_scratch=True, matmul_dtype="float32")
 OPTIM = OptimConfig(lr=3e-3, weight_decay=0.1, adam_epsilon=1e-6)
+# One batch repeated: its loss must fall, and every step must match the one-device run.
+BATCHES = [synthetic_batch(CFG, 2, 8, 32, seed=7)] * 4
 
 
 def _build(
@@ -28,6 +30,19 @@ def _build(
     mesh = make_mesh(gpus, tensor_parallel=tp)
     plan = plan_for(CFG, dataclasses.replace(SPEC, kernels=kernels), mesh, zero_level=zero_level)
     return train_step.build(CFG, SPEC, OPTIM, plan, mesh=mesh, total_steps=10, seed=0)
+
+
+_BUILT: dict = {}
+
+
+def _on_8(zero_level: int, tp: int = 1) -> tuple[train_step.ModelOnMesh, jax.stages.Compiled]:
+    """The model built on 8 devices and its train step compiled for BATCHES, once a module: the
+    sharding, memory, HLO and loss tests read the same ones (each build and compile ~10 s)."""
+    if (zero_level, tp) not in _BUILT:
+        built = _build(8, zero_level, tp)
+        batch = jax.device_put(BATCHES[0], built.batch_sharding)
+        _BUILT[zero_level, tp] = built, built.train_step.lower(built.state, batch).compile()
+    return _BUILT[zero_level, tp]
 
 
 def _plan(gpus: int, zero_level: int, tp: int = 1) -> Plan:
@@ -47,7 +62,7 @@ def _device_bytes(tree) -> float:
     [(1, 1, 1.0, 1 / 8), (2, 1, 1.0, 1 / 8), (3, 1, 1 / 8, 1 / 8), (3, 2, 1 / 8, 1 / 8)],
 )
 def test_each_level_shards_what_it_promises(zero_level, tp, params, opt):
-    built = _build(8, zero_level, tp)
+    built, _ = _on_8(zero_level, tp)
     assert _device_bytes(built.state.params) == pytest.approx(params, rel=1e-3)
     assert _device_bytes(built.state.opt_state) == pytest.approx(opt, rel=1e-3)
     if tp == 2:
@@ -105,24 +120,18 @@ def test_zero_1_splits_the_optimizer_state_on_leading_dims(gpus, tp):
 
 
 def test_compiled_memory_falls_with_the_level():
-    batch = synthetic_batch(CFG, 1, 8, 32)
     sizes = []
     for level in (1, 2, 3):
-        built = _build(8, level)
-        b = jax.device_put(batch, built.batch_sharding)
-        mem = built.train_step.lower(built.state, b).compile().memory_analysis()
+        mem = _on_8(level)[1].memory_analysis()
         sizes.append(mem.argument_size_in_bytes + mem.temp_size_in_bytes)
     assert sizes[0] > sizes[1] > sizes[2], sizes
 
 
-# One batch repeated: its loss must fall, and every step must match the one-device run.
-BATCHES = [synthetic_batch(CFG, 2, 8, 32, seed=7)] * 4
-
-
-def _losses(built: train_step.ModelOnMesh) -> np.ndarray:
-    state, out = built.state, []
+def _losses(built: train_step.ModelOnMesh, step=None) -> np.ndarray:
+    # A copy of the initial state: the step donates its input, and a built model serves twice.
+    state, out = jax.tree.map(lambda x: x.copy(), built.state), []
     for b in BATCHES:
-        state, m = built.train_step(state, jax.device_put(b, built.batch_sharding))
+        state, m = (step or built.train_step)(state, jax.device_put(b, built.batch_sharding))
         out.append(float(m["loss"]))
     return np.array(out)
 
@@ -134,7 +143,7 @@ def one_device_losses() -> np.ndarray:
 
 @pytest.mark.parametrize("zero_level, tp", [(1, 1), (2, 1), (3, 1), (3, 2)])
 def test_losses_match_one_device(one_device_losses, zero_level, tp):
-    sharded = _losses(_build(8, zero_level, tp))
+    sharded = _losses(*_on_8(zero_level, tp))
     np.testing.assert_allclose(sharded, one_device_losses, rtol=2e-5)
     assert sharded[-1] < sharded[0]
 
@@ -145,17 +154,17 @@ def test_pallas_loss_runs_per_device_and_trains_the_same(one_device_losses, impl
     (Mosaic GPU's kernel takes bf16 only: this fp32 model shows its choice routed, on Triton.)"""
     built = _build(8, 3, kernels=f"lm_head_loss={impl}")
     batch = jax.device_put(BATCHES[0], built.batch_sharding)
-    assert "manual_computation" in built.train_step.lower(built.state, batch).as_text()
-    sharded = _losses(built)
+    lowered = built.train_step.lower(built.state, batch)
+    assert "manual_computation" in lowered.as_text()
+    sharded = _losses(built, lowered.compile())
     np.testing.assert_allclose(sharded, one_device_losses, rtol=2e-5)
 
 
 def test_embedding_backward_gathers_the_tokens_gradients():
     """Below the size rule the table's dense [V, D] gradient is never all-reduced: the tokens'
     gradients [B, T, D] are all-gathered instead (plan.gather_embed_below, Llama.embed)."""
-    built = _build(8, 1)
-    batch = jax.device_put(BATCHES[0], built.batch_sharding)
-    hlo = built.train_step.lower(built.state, batch).compile().as_text()
+    built, compiled = _on_8(1)
+    hlo = compiled.as_text()
     V, D = CFG.vocab_size, CFG.hidden_size
     reduced = " ".join(re.findall(r"= (.*?) all-reduce(?:-start)?\(", hlo))
     gathered = " ".join(re.findall(r"= (.*?) all-gather(?:-start)?\(", hlo))
@@ -172,7 +181,7 @@ def test_xla_loss_runs_per_device_without_tensor_parallelism():
     (shard_map), not as the fp32 product XLA's partitioner would reduce; under tensor
     parallelism (vocab split) it stays with the partitioner."""
     for tp, per_device in ((1, True), (2, False)):
-        built = _build(8, 1, tp)
+        built, _ = _on_8(1, tp)
         batch = jax.device_put(BATCHES[0], built.batch_sharding)
         # The locations name the function that placed each op (other shard_maps gather weights).
         lowered = built.train_step.lower(built.state, batch).as_text(debug_info=True)

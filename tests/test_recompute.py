@@ -1,9 +1,11 @@
 """Recompute switches: the same losses and gradients, less memory kept for the backward pass."""
 
 import dataclasses
+import functools
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -22,18 +24,25 @@ def test_llmq_implications():
     assert Recompute().names() == ()
 
 
-def _loss_and_grads(recompute: Recompute, scan: bool, tokens, cfg=CFG):
+@functools.cache
+def _value_and_grad(recompute: Recompute, scan: bool, cfg):
+    """The jitted loss and gradients of (params, tokens), one a module for each model: the cases
+    of test_same_losses_and_grads share their baseline's compiled program (~5 s each)."""
     graphdef, _, _ = abstract_model(cfg, recompute=recompute, scan_layers=scan, attention="xla")
-    params = params_of(Llama(cfg, rngs=nnx.Rngs(0)))
 
-    def loss(p):
+    def loss(p, tokens):
         logits = nnx.merge(graphdef, p).logits(tokens[:, :-1])
         logp = jax.nn.log_softmax(logits)
-        return -np.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+        return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
 
-    fn = jax.jit(jax.value_and_grad(loss))
-    mem = fn.lower(params).compile().memory_analysis().temp_size_in_bytes
-    return fn(params), mem
+    return jax.jit(jax.value_and_grad(loss))
+
+
+def _loss_and_grads(recompute: Recompute, scan: bool, tokens, cfg=CFG):
+    params = params_of(Llama(cfg, rngs=nnx.Rngs(0)))
+    fn = _value_and_grad(recompute, scan, cfg)
+    mem = fn.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+    return fn(params, tokens), mem
 
 
 @pytest.mark.parametrize("scan", [True, False])
