@@ -147,26 +147,23 @@ def gather_embed_below(vocab: int, mesh_shape: Mapping[str, int], zero_level: in
     return vocab * (2 if zero_level == 1 else 1)
 
 
-def _check_mosaic_attention(model_cfg, dtype, platform, hopper, devices) -> None:
-    """Refuses --attention=mosaic where the kernel cannot run, in one line."""
+def _mosaic_attention_refusal(model_cfg, dtype, platform, hopper, devices) -> str | None:
+    """Why jaxllmq's flash attention (--attention=mosaic) cannot run here, in one line (None:
+    it can)."""
     from jaxllmq.kernels import flash_attention
 
     if platform not in ("gpu", "cuda") or not hopper:
         where = "this GPU" if platform in ("gpu", "cuda") else platform
-        raise ModelConfigError(
-            f"--attention=mosaic runs on a Hopper GPU (H100, H200) only, not on {where}; "
-            "use --attention=auto"
-        )
+        return f"--attention=mosaic runs on a Hopper GPU (H100, H200) only, not on {where}"
     if devices > 1:
-        raise ModelConfigError(
+        return (
             f"--attention=mosaic runs on one device for now ({devices} here): its kernel has no "
-            "sharding rule yet; use --attention=auto"
+            "sharding rule yet"
         )
     why = flash_attention.fits(
         model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_key_value_heads, dtype
     )
-    if why:
-        raise ModelConfigError(f"--attention=mosaic: the kernel does not take {why}; use auto")
+    return f"--attention=mosaic: the kernel does not take {why}" if why else None
 
 
 def make_plan(
@@ -220,14 +217,16 @@ def make_plan(
             "their sliding windows, which a scan gives attention as a mask that XLA's attention "
             "only takes; use --attention=xla, or --noscan_layers (each layer its own window)"
         )
-    if spec.attention == "mosaic":
-        _check_mosaic_attention(model_cfg, dtype, platform, hopper, devices)
+    mosaic_refusal = _mosaic_attention_refusal(model_cfg, dtype, platform, hopper, devices)
+    if spec.attention == "mosaic" and mosaic_refusal:
+        raise ModelConfigError(f"{mosaic_refusal}; use --attention=auto")
     attention = resolve_attention(
         spec.attention,
         dtype,
         platform=platform,
         deterministic=spec.deterministic,
         per_layer_windows=per_layer_windows,
+        mosaic_documents=documents_per_window is not None and mosaic_refusal is None,
     )
     mesh = AbstractMesh(tuple(shape.values()), MESH_AXES)
     _, abstract, axes = abstract_model(model_cfg, attention=attention)

@@ -78,11 +78,15 @@ def test_refuses_what_it_does_not_take_in_one_line():
 
 
 @pytest.mark.parametrize(
-    "t, d, documents, window, fused",
-    [(256, 64, False, None, False), (256, 128, True, 100, False), (200, 64, True, None, True)],
-    ids=["causal-64", "bounded-128", "padded-documents-fused-dq-64"],
+    "t, d, documents, window, blocks",
+    [
+        (256, 64, False, None, fa.FlashBlocks()),
+        (256, 128, True, 100, fa.FlashBlocks()),
+        (200, 64, True, None, fa.FlashBlocks(stages=3, dkv_block_q=128, dq_block_kv=128)),
+    ],
+    ids=["causal-64", "bounded-128", "padded-documents-wide-tiles-64"],
 )
-def test_forward_and_backward_lower_to_mosaic_gpu(t, d, documents, window, fused):
+def test_forward_and_backward_lower_to_mosaic_gpu(t, d, documents, window, blocks):
     b, hq, hkv = 1, 4, 2
     q = jax.ShapeDtypeStruct((b, t, hq, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, t, hkv, d), jnp.bfloat16)
@@ -96,14 +100,14 @@ def test_forward_and_backward_lower_to_mosaic_gpu(t, d, documents, window, fused
             scale=d**-0.5,
             segment_ids_BxT=seg if documents else None,
             window=window,
-            blocks=fa.FlashBlocks(fused_dq=fused),
+            blocks=blocks,
         )
         return jnp.sum(o.astype(jnp.float32))
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     module = export.export(grads, platforms=["cuda"])(q, kv, kv, seg).mlir_module()
-    # The forward and the backward's kernels (dK/dV, and dQ unless fused), Mosaic GPU calls.
-    assert len(re.findall(r"custom_call @mosaic_gpu", module)) == (2 if fused else 3)
+    # The forward and the backward's two kernels (dK/dV, dQ), Mosaic GPU calls.
+    assert len(re.findall(r"custom_call @mosaic_gpu", module)) == 3
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
@@ -155,6 +159,27 @@ def test_the_plan_runs_mosaic_attention_on_one_hopper_gpu():
     plan = make_plan(preset("llama-3.2-1b"), spec, mesh_shape=mesh, **H200, documents_per_window=32)
     assert plan.attention == "mosaic"
     assert "mosaic (documents by segment ids, up to 32 a window)" in plan.describe()
+
+
+@pytest.mark.parametrize(
+    "cfg, hardware, devices, documents, chosen",
+    [
+        ("llama-3.2-1b", H200, 1, 32, "mosaic"),  # documents on one Hopper GPU: ours
+        ("llama-3.2-1b", H200, 1, None, "cudnn"),  # causal alone: cuDNN's is faster
+        ("llama-3.2-1b", H200, 2, 32, "cudnn"),  # no sharding rule for ours yet
+        ("llama-3.2-1b", A100, 1, 32, "cudnn"),
+        ("gemma-3-1b", H200, 1, 32, "cudnn"),  # head dim 256
+        ("llama-3.2-1b", CPU, 1, 32, "xla"),
+    ],
+)
+def test_auto_attention_runs_documents_in_mosaic_where_it_can(
+    cfg, hardware, devices, documents, chosen
+):
+    spec = ModelSpec(model=cfg, from_scratch=True, matmul_dtype="bfloat16")
+    spec = dataclasses.replace(spec, scan_layers=False)
+    mesh = {"data": devices, "fsdp": 1, "tensor": 1}
+    plan = make_plan(preset(cfg), spec, mesh_shape=mesh, **hardware, documents_per_window=documents)
+    assert plan.attention == chosen
 
 
 @pytest.mark.parametrize("key_tile", [64, 128])

@@ -33,14 +33,18 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxllmq.kernels.flash_attention.backward import backward_dkv, backward_dq
-from jaxllmq.kernels.flash_attention.common import HEAD_DIMS, FlashBlocks, Visibility
+from jaxllmq.kernels.flash_attention.common import (
+    HEAD_DIMS,
+    FlashBlocks,
+    Visibility,
+    default_blocks,
+)
 from jaxllmq.kernels.flash_attention.forward import forward
-
-DEFAULT_BLOCKS = FlashBlocks()
 
 __all__ = [
     "HEAD_DIMS",
     "FlashBlocks",
+    "default_blocks",
     "fits",
     "flash_attention",
     "key_bounds",
@@ -62,7 +66,14 @@ def fits(head_dim: int, heads: int, kv_heads: int, dtype) -> str | None:
 
 def _tile_multiple(blocks: FlashBlocks) -> int:
     """The sequence lengths every kernel's tiles divide."""
-    tiles = (2 * blocks.block_q, blocks.block_kv, 2 * blocks.bwd_block_kv, 2 * blocks.bwd_block_q)
+    tiles = (
+        2 * blocks.block_q,
+        blocks.block_kv,
+        2 * blocks.dkv_block_kv,
+        blocks.dkv_block_q,
+        2 * blocks.dq_block_q,
+        blocks.dq_block_kv,
+    )
     return math.lcm(*tiles)
 
 
@@ -119,13 +130,8 @@ def _flash_bwd(scale, vis, blocks, interpret, res, do):
     do = do.astype(q.dtype)
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
     kw = dict(scale=scale, vis=vis, blocks=blocks, interpret=interpret)
-    if blocks.fused_dq:
-        dq_sum = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
-        dk, dv = backward_dkv(q, k, v, do, lse, delta, last_row, dq_sum=dq_sum, **kw)
-        dq = (dq_sum[...] * scale).astype(q.dtype)
-    else:
-        dk, dv = backward_dkv(q, k, v, do, lse, delta, last_row, **kw)
-        dq = backward_dq(q, k, v, do, lse, delta, first_key, **kw)
+    dk, dv = backward_dkv(q, k, v, do, lse, delta, last_row, **kw)
+    dq = backward_dq(q, k, v, do, lse, delta, first_key, **kw)
     none = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731 (int inputs)
     return dq, dk, dv, none(first_key), none(last_row)
 
@@ -141,17 +147,19 @@ def flash_attention(
     scale: float,
     segment_ids_BxT: jax.Array | None = None,
     window: int | None = None,
-    blocks: FlashBlocks = DEFAULT_BLOCKS,
+    blocks: FlashBlocks | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal attention [B, T, Hq, D] of q over k, v [B, T, Hkv, D] (Hq a multiple of Hkv),
     within each document of `segment_ids_BxT` and a sliding `window`, where `fits` says so.
     A T that is not a multiple of the tiles is padded at the end (causal attention keeps the
-    padding out of every real query's keys) and the output cut back."""
+    padding out of every real query's keys) and the output cut back. `blocks`: the tiles
+    (default_blocks for the head dim when None)."""
     b, t, hq, d = q_BxTxNxH.shape
     why = fits(d, hq, k_BxTxKxH.shape[2], q_BxTxNxH.dtype)
     if why:
         raise ValueError(f"flash attention: the kernel does not take {why}")
+    blocks = blocks or default_blocks(d)
     pad = -t % _tile_multiple(blocks)
     q, k, v, seg = q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT
     if pad:

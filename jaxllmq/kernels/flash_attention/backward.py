@@ -1,4 +1,4 @@
-"""The backward kernels: dK and dV per key tile (dQ too, fused), and dQ per query tile."""
+"""The backward kernels: dK and dV per key tile, and dQ per query tile."""
 
 from __future__ import annotations
 
@@ -13,15 +13,14 @@ from jax import lax
 from jaxllmq.kernels.flash_attention import common
 
 
-def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, interpret, dq_sum=None):
-    """(dK, dV) [B, T, Hkv, D]: a CTA per 2 x bwd_block_kv keys of a key head, over the query
-    tiles of every query head of its group that see them. With `dq_sum` (a zeroed fp32 Ref
-    [B, T, Hq, D]) each step also adds its dS^T K there (dQ / scale)."""
-    fused = dq_sum is not None
+def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, interpret):
+    """(dK, dV) [B, T, Hkv, D]: a CTA per 2 x dkv_block_kv keys of a key head, over the query
+    tiles of every query head of its group that see them. The CTAs of the first keys, which
+    the most queries see, start first."""
     b_, t, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv
-    bq, bk, stages = blocks.bwd_block_q, blocks.bwd_block_kv, blocks.bwd_stages
+    bq, bk, stages = blocks.dkv_block_q, blocks.dkv_block_kv, blocks.dkv_stages
     keys = 2 * bk
     dtype = q.dtype
     c2 = scale * common.LOG2E
@@ -30,9 +29,8 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, inter
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         rest = list(rest)
         lr_ref = rest.pop(0) if vis.bounded else None
-        dq_ref = rest.pop(0) if fused else None
         dk_ref, dv_ref, smem, ready, free, kv_ready = rest
-        k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, lr_smem, ds_smem, dq_smem = smem
+        k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, lr_smem = smem
         b = lax.axis_index("batch")
         kv_head = lax.axis_index("heads")
         first_key = lax.axis_index("kv_blocks") * keys
@@ -61,7 +59,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, inter
             )
             zeros = common.zeros((bk, d), interpret)
 
-            def step(i, carry, g, qb, masked):
+            def step(i, carry, qb, masked):
                 dk, dv = carry
                 slot = lax.rem(i, stages)
                 for barrier in ready:
@@ -105,33 +103,16 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, inter
 
                 (dk,) = common.accumulate(dk_step, (dk,), interpret)
                 plgpu.barrier_arrive(free.at[slot])
-                if fused:
-                    ds_smem.at[wg][...] = ds16
-                    plgpu.commit_smem()
-
-                    def dq_step(acc_ref):
-                        ds = plgpu.transpose_ref(ds_smem.at[wg], (1, 0))
-                        plgpu.wgmma(acc_ref, ds, k_smem.at[wg])
-                        return acc_ref[...]
-
-                    part = pl.run_scoped(dq_step, plgpu.ACC((bq, d), jnp.float32))
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add has read it
-                    dq_smem.at[wg][...] = part
-                    plgpu.commit_smem()
-                    rows = pl.ds(qb * bq, bq)
-                    h = kv_head * group + g
-                    dst = dq_ref.at[b, rows, h]
-                    plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op="add")
                 return dk, dv
 
             def head(g, carry):
                 base = g * per_head - lo
 
                 def masked(qb, c):
-                    return step(base + qb, c, g, qb, True)
+                    return step(base + qb, c, qb, True)
 
                 def plain(qb, c):
-                    return step(base + qb, c, g, qb, False)
+                    return step(base + qb, c, qb, False)
 
                 for start, end, mask in common.spans(lo, unmasked_from, unmasked_to, hi):
                     carry = lax.fori_loop(start, end, masked if mask else plain, carry)
@@ -179,27 +160,26 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, inter
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((2, bk), jnp.int32),
-            plgpu.SMEM((2, bk, bq), dtype, transforms=tr) if fused else None,
-            plgpu.SMEM((2, bq, d), jnp.float32) if fused else None,
         ),
         tuple(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_barriers=6),
     ]
     out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
-    grid = (b_, hkv, t // keys)
-    names = ("batch", "heads", "kv_blocks")
-    call = common.kernel_call(body, out_type, grid, names, scratch, interpret, with_refs=fused)
+    grid = (t // keys, b_, hkv)  # the last axis varies fastest at launch
+    names = ("kv_blocks", "batch", "heads")
+    call = common.kernel_call(body, out_type, grid, names, scratch, interpret)
     args = (q, k, v, do, lse, delta) + ((last_row,) if vis.bounded else ())
-    return call(*args, *((dq_sum,) if fused else ()))
+    return call(*args)
 
 
 def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks, interpret):
-    """dQ [B, T, Hq, D]: a CTA per 2 x bwd_block_q rows of a query head, over the key tiles
-    they see (bwd_block_kv keys a step)."""
+    """dQ [B, T, Hq, D]: a CTA per 2 x dq_block_q rows of a query head, over the key tiles
+    they see (dq_block_kv keys a step). The CTAs of the last rows, which see the most keys,
+    start first."""
     b_, t, hq, d = q.shape
     group = hq // k.shape[2]
-    bq, bk, stages = blocks.bwd_block_q, blocks.bwd_block_kv, blocks.bwd_stages
+    bq, bk, stages = blocks.dq_block_q, blocks.dq_block_kv, blocks.dq_stages
     rows = 2 * bq
     dtype = q.dtype
     c2 = scale * common.LOG2E
@@ -216,7 +196,7 @@ def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks, inter
         k_ready, v_ready = ready
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
-        first_row = lax.axis_index("q_blocks") * rows
+        first_row = common.longest_first("q_blocks", t // rows) * rows
         wg = lax.axis_index("wg")
         hi = lax.div(first_row + rows + bk - 1, bk)
         lo = lax.div(fk_ref[b, first_row], bk) if vis.bounded else jnp.int32(0)
@@ -329,8 +309,8 @@ def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks, inter
     call = common.kernel_call(
         body,
         jax.ShapeDtypeStruct(q.shape, dtype),
-        (b_, hq, t // rows),
-        ("batch", "heads", "q_blocks"),
+        (t // rows, b_, hq),
+        ("q_blocks", "batch", "heads"),
         scratch,
         interpret,
     )

@@ -35,7 +35,7 @@ def forward(
         k_free, v_free = free
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
-        first_row = lax.axis_index("q_blocks") * rows
+        first_row = common.longest_first("q_blocks", t // rows) * rows
         wg = lax.axis_index("wg")
         hi = lax.div(first_row + rows + bk - 1, bk)  # causal: the tile of the last row
         lo = lax.div(fk_ref[b, first_row], bk) if vis.bounded else jnp.int32(0)
@@ -174,7 +174,7 @@ def forward(
         jax.ShapeDtypeStruct((b_, hq, t), jnp.float32),
     )
     call = common.kernel_call(
-        body, out_type, (b_, hq, t // rows), ("batch", "heads", "q_blocks"), scratch, interpret
+        body, out_type, (t // rows, b_, hq), ("q_blocks", "batch", "heads"), scratch, interpret
     )
     args = (q, k, v) + ((first_key,) if vis.bounded else ())
     return call(*args)
