@@ -98,8 +98,9 @@ class ModelSpec(Settings):
     )
     attention: str = setting(
         "auto",
-        "Attention kernel; auto = cuDNN on GPU in bf16 (XLA's with --deterministic); mosaic = "
-        "jaxllmq's own flash attention (one Hopper GPU, head dim 64 or 128).",
+        "Attention kernel; auto = cuDNN on GPU in bf16 (XLA's with --deterministic), packed "
+        "documents in mosaic where it runs; mosaic = jaxllmq's own flash attention (one Hopper "
+        "GPU, head dim 64 or 128).",
         choices=ATTENTIONS,
     )
     deterministic: bool = setting(
