@@ -69,7 +69,9 @@ class Plan:
             kernels += " (Mosaic's tiles do not fit the LM head)"
         qkv = "fused" if self.fuse_qkv_grads else "separate"
         attention = self.attention
-        if self.documents_per_window and self.attention == "cudnn":
+        if self.documents_per_window and self.attention == "mosaic":
+            attention += f" (documents by segment ids, up to {self.documents_per_window} a window)"
+        elif self.documents_per_window and self.attention == "cudnn":
             attention += f" (documents as segments, up to {self.documents_per_window} a window)"
         elif self.documents_per_window:
             attention += f" (documents by a mask, up to {self.documents_per_window} a window)"
@@ -145,6 +147,25 @@ def gather_embed_below(vocab: int, mesh_shape: Mapping[str, int], zero_level: in
     return vocab * (2 if zero_level == 1 else 1)
 
 
+def _mosaic_attention_refusal(model_cfg, dtype, platform, hopper, devices) -> str | None:
+    """Why jaxllmq's flash attention (--attention=mosaic) cannot run here, in one line (None:
+    it can)."""
+    from jaxllmq.kernels import flash_attention
+
+    if platform not in ("gpu", "cuda") or not hopper:
+        where = "this GPU" if platform in ("gpu", "cuda") else platform
+        return f"--attention=mosaic runs on a Hopper GPU (H100, H200) only, not on {where}"
+    if devices > 1:
+        return (
+            f"--attention=mosaic runs on one device for now ({devices} here): its kernel has no "
+            "sharding rule yet"
+        )
+    why = flash_attention.fits(
+        model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_key_value_heads, dtype
+    )
+    return f"--attention=mosaic: the kernel does not take {why}" if why else None
+
+
 def make_plan(
     model_cfg: ModelConfig,
     spec: ModelSpec,
@@ -190,18 +211,22 @@ def make_plan(
     # A Pallas call has no partitioning rule: on several devices it runs per device's tokens.
     per_device = lambda impl: impl in ("pallas", "mosaic") and devices > 1
     per_layer_windows = spec.scan_layers and model_cfg.mixed_windows
-    if per_layer_windows and spec.attention == "cudnn":
+    if per_layer_windows and spec.attention in ("cudnn", "mosaic"):
         raise ModelConfigError(
-            "--attention=cudnn with --scan_layers: this model's layers differ in their sliding "
-            "windows, which a scan gives attention as a mask that XLA's attention only takes; "
-            "use --attention=xla, or --noscan_layers (each layer its own window, in cuDNN)"
+            f"--attention={spec.attention} with --scan_layers: this model's layers differ in "
+            "their sliding windows, which a scan gives attention as a mask that XLA's attention "
+            "only takes; use --attention=xla, or --noscan_layers (each layer its own window)"
         )
+    mosaic_refusal = _mosaic_attention_refusal(model_cfg, dtype, platform, hopper, devices)
+    if spec.attention == "mosaic" and mosaic_refusal:
+        raise ModelConfigError(f"{mosaic_refusal}; use --attention=auto")
     attention = resolve_attention(
         spec.attention,
         dtype,
         platform=platform,
         deterministic=spec.deterministic,
         per_layer_windows=per_layer_windows,
+        mosaic_documents=documents_per_window is not None and mosaic_refusal is None,
     )
     mesh = AbstractMesh(tuple(shape.values()), MESH_AXES)
     _, abstract, axes = abstract_model(model_cfg, attention=attention)

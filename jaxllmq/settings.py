@@ -13,7 +13,7 @@ from jaxllmq.data.pack import check_packed_for
 from jaxllmq.data.shards import expand_files
 from jaxllmq.kernels import parse_kernels
 from jaxllmq.model.architecture import PRESETS, ModelConfig
-from jaxllmq.model.attention import DOCUMENTS_PER_WINDOW
+from jaxllmq.model.attention import ATTENTION_IMPLS, DOCUMENTS_PER_WINDOW
 from jaxllmq.model.recompute import Recompute
 from jaxllmq.offload import Offload
 from jaxllmq.setting import DTYPE_SPELLINGS, Resume, SettingError, Settings, section, setting
@@ -24,7 +24,7 @@ DTYPES = tuple(dtypes.DTYPES)
 FP8_MATMUL = ("e4m3",)
 FP8_GRADIENT = tuple(dtypes.FP8_DTYPES)
 SCHEDULES = ("cosine", "linear", "wsd")
-ATTENTIONS = ("auto", "xla", "cudnn")
+ATTENTIONS = ATTENTION_IMPLS
 ZERO_LEVELS = (1, 2, 3)
 
 
@@ -98,7 +98,9 @@ class ModelSpec(Settings):
     )
     attention: str = setting(
         "auto",
-        "Attention kernel; auto = cuDNN on GPU in bf16 (XLA's with --deterministic).",
+        "Attention kernel; auto = cuDNN on GPU in bf16 (XLA's with --deterministic), packed "
+        "documents in mosaic where it runs; mosaic = jaxllmq's own flash attention (one Hopper "
+        "GPU, head dim 64 or 128).",
         choices=ATTENTIONS,
     )
     deterministic: bool = setting(

@@ -1,6 +1,8 @@
 """Packed documents on the GPU: cuDNN's packed layout (each document a segment) against the
 float32 XLA reference of the document mask, and the train step's loss with documents against the
-same step with XLA's masked attention."""
+same step with XLA's masked attention (cuDNN's segments; at head dim 64 jaxllmq's flash attention)."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +43,9 @@ def test_cudnn_segments_match_the_masked_reference(head_dim, median):
         assert err <= max(bound, 0.05), (name, err, bound)
 
 
-def _train_with_documents(attention_impl: str) -> tuple[list[float], str]:
-    """5 steps of the tiny preset in bf16 on one batch of packed documents; the losses and the
-    attention the plan chose."""
+def _train_with_documents(attention_impl: str, head_dim: int = 32) -> tuple[list[float], str]:
+    """5 steps of the tiny preset (at `head_dim`) in bf16 on one batch of packed documents; the
+    losses and the attention the plan chose."""
     from jaxllmq import train_step
     from jaxllmq.data.pipeline import documents
     from jaxllmq.model.architecture import load_model_config
@@ -51,7 +53,7 @@ def _train_with_documents(attention_impl: str) -> tuple[list[float], str]:
     from jaxllmq.plan import plan_for
     from jaxllmq.settings import ModelSpec, OptimConfig
 
-    cfg = load_model_config("tiny")
+    cfg = dataclasses.replace(load_model_config("tiny"), head_dim=head_dim)
     spec = ModelSpec(
         model="tiny", from_scratch=True, matmul_dtype="bfloat16", attention=attention_impl
     )
@@ -89,3 +91,11 @@ def test_the_train_step_takes_documents_as_cudnn_segments():
     xla, _ = _train_with_documents("xla")
     assert cudnn[-1] < cudnn[0] - 0.05, cudnn
     np.testing.assert_allclose(cudnn, xla, rtol=5e-3)
+
+
+def test_the_train_step_takes_documents_in_our_flash_attention_at_head_dim_64():
+    ours, chosen = _train_with_documents("auto", head_dim=64)
+    assert chosen == "mosaic"
+    xla, _ = _train_with_documents("xla", head_dim=64)
+    assert ours[-1] < ours[0] - 0.05, ours
+    np.testing.assert_allclose(ours, xla, rtol=5e-3)

@@ -1,0 +1,127 @@
+"""jaxllmq's Mosaic GPU flash attention against cuDNN's: forward + backward times and errors.
+
+Causal GQA attention forward + backward (and forward alone) at each shape and head dim, cuDNN's
+fused kernel beside ours (`jaxllmq/kernels/flash_attention/`), with the errors of each
+against a float32 XLA reference; then ours over packed documents (the bench's log-normal length
+mix) and with a sliding window against ours causal at the same shape. Times are the median over
+batches of calls issued back to back. One JSON line per measurement.
+
+    python3 -m benchmarks.flash_attention --shapes=8x2048,4x4096,2x8192 --head_dims=64,128
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+from jaxllmq import bench
+from jaxllmq.cli import flags as cli_flags
+from jaxllmq.kernels import flash_attention as fa
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("shapes", ["8x2048", "4x4096", "2x8192"], "Batch x sequence length pairs.")
+flags.DEFINE_list("head_dims", ["64", "128"], "Head dims.")
+flags.DEFINE_integer("heads", 32, "Query heads.")
+flags.DEFINE_integer("kv_heads", 8, "Key/value heads.")
+flags.DEFINE_list("windows", ["1024"], "Sliding windows to time (tokens).")
+flags.DEFINE_bool("documents", True, "Also time packed documents.")
+flags.DEFINE_bool("cudnn", True, "Time cuDNN's causal kernel too.")
+flags.DEFINE_multi_string(
+    "blocks",
+    [""],
+    "Tile settings to time, each as FlashBlocks fields (e.g. 'dkv_block_q=128,dq_stages=3'); "
+    "repeat the flag for several; empty: the defaults.",
+)
+flags.DEFINE_bool("errors", True, "Also measure errors against a float32 reference.")
+
+
+def parse_blocks(spec: str) -> fa.FlashBlocks:
+    """FlashBlocks from 'field=value,...' (empty: the defaults)."""
+    fields = dict(item.split("=") for item in spec.split(",") if item)
+    return fa.FlashBlocks(**{name: int(value) for name, value in fields.items()})
+
+
+def _grad_fn(attend):
+    def loss(q, k, v, do):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def _errors(attend, reference, q, k, v, do) -> dict:
+    got = jax.vjp(attend, q, k, v)
+    grads = got[1](do)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = jax.vjp(reference, *f32)
+    ref_grads = want[1](do.astype(jnp.float32))
+    names = ("o", "dq", "dk", "dv")
+    pairs = zip(names, (got[0], *grads), (want[0], *ref_grads), strict=True)
+    return {n: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b))) for n, a, b in pairs}
+
+
+def measure(b: int, t: int, d: int) -> None:
+    keys = jax.random.split(jax.random.key(0), 4)
+    hq, hkv = FLAGS.heads, FLAGS.kv_heads
+    q = jax.random.normal(keys[0], (b, t, hq, d), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, t, hkv, d), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, t, hkv, d), jnp.bfloat16)
+    do = jax.random.normal(keys[3], (b, t, hq, d), jnp.bfloat16)
+    scale = d**-0.5
+    shape = {"batch": b, "seq_len": t, "head_dim": d, "heads": hq, "kv_heads": hkv}
+
+    def emit(row):
+        print(json.dumps(shape | row), flush=True)
+
+    def cudnn(q, k, v):
+        return jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=True, implementation="cudnn"
+        )
+
+    def reference(q, k, v, first_key=None):
+        return fa.reference_attention(q, k, v, scale, first_key)
+
+    variants = {"cudnn": (cudnn, reference)} if FLAGS.cudnn else {}
+
+    def ours(blocks):
+        return lambda q, k, v: fa.flash_attention(q, k, v, scale=scale, blocks=blocks)
+
+    for spec in FLAGS.blocks:
+        variants[f"mosaic {spec or 'default'}"] = (ours(parse_blocks(spec)), reference)
+    if FLAGS.documents:
+        seg = jnp.asarray(bench.document_segment_ids(b, t))
+        fk, _ = fa.key_bounds(t, seg, None, b)
+        docs = lambda q, k, v: fa.flash_attention(q, k, v, scale=scale, segment_ids_BxT=seg)  # noqa: E731
+        variants["mosaic documents"] = (docs, lambda q, k, v: reference(q, k, v, fk))
+    for w in map(int, FLAGS.windows):
+        fkw, _ = fa.key_bounds(t, None, w, b)
+        win = lambda q, k, v, w=w: fa.flash_attention(q, k, v, scale=scale, window=w)  # noqa: E731
+        variants[f"mosaic window {w}"] = (win, lambda q, k, v, fkw=fkw: reference(q, k, v, fkw))
+    for name, (attend, ref) in variants.items():
+        try:
+            fwd = jax.jit(attend)
+            grad = _grad_fn(attend)
+            row = {
+                "variant": name,
+                "fwd_ms": 1e3 * bench.time_calls(lambda f=fwd: f(q, k, v), calls=20),
+                "fwd_bwd_ms": 1e3 * bench.time_calls(lambda g=grad: g(q, k, v, do), calls=20),
+            }
+            if FLAGS.errors and t * t * b * hq <= 2**31:  # the fp32 reference's scores fit
+                row["max_abs_error"] = _errors(attend, ref, q, k, v, do)
+            emit(row)
+        except Exception as e:  # one variant's failure must not end the sweep
+            emit({"variant": name, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+
+
+def main(argv):
+    del argv
+    for shape in FLAGS.shapes:
+        b, t = map(int, shape.split("x"))
+        for d in map(int, FLAGS.head_dims):
+            measure(b, t, d)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=cli_flags.parse_argv)

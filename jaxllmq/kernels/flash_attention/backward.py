@@ -1,0 +1,318 @@
+"""The backward kernels: dK and dV per key tile, and dQ per query tile."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jaxllmq.kernels.flash_attention import common
+
+
+def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, interpret):
+    """(dK, dV) [B, T, Hkv, D]: a CTA per 2 x dkv_block_kv keys of a key head, over the query
+    tiles of every query head of its group that see them. The CTAs of the first keys, which
+    the most queries see, start first."""
+    b_, t, hq, d = q.shape
+    hkv = k.shape[2]
+    group = hq // hkv
+    bq, bk, stages = blocks.dkv_block_q, blocks.dkv_block_kv, blocks.dkv_stages
+    keys = 2 * bk
+    dtype = q.dtype
+    c2 = scale * common.LOG2E
+    tr = common.tile_transforms(dtype)
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        rest = list(rest)
+        lr_ref = rest.pop(0) if vis.bounded else None
+        dk_ref, dv_ref, smem, ready, free, kv_ready = rest
+        k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, lr_smem = smem
+        b = lax.axis_index("batch")
+        kv_head = lax.axis_index("heads")
+        first_key = lax.axis_index("kv_blocks") * keys
+        wg = lax.axis_index("wg")
+        lo = lax.div(first_key, bq)  # causal: no earlier row sees these keys
+        if vis.bounded:
+            hi = lax.div(lr_ref[b, first_key + keys - 1] + bq, bq)
+        else:
+            hi = jnp.int32(t // bq)
+        per_head = hi - lo
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(common.COMPUTE_REGISTERS, action="increase")
+            key0 = first_key + wg * bk
+            own = pl.ds(key0, bk)
+            plgpu.copy_gmem_to_smem(k_ref.at[b, own, kv_head], k_smem.at[wg], kv_ready.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, own, kv_head], v_smem.at[wg], kv_ready.at[2 + wg])
+            if vis.bounded:
+                plgpu.copy_gmem_to_smem(lr_ref.at[b, own], lr_smem.at[wg], kv_ready.at[4 + wg])
+                plgpu.barrier_wait(kv_ready.at[4 + wg])
+            plgpu.barrier_wait(kv_ready.at[wg])
+            plgpu.barrier_wait(kv_ready.at[2 + wg])
+            unmasked_from, unmasked_to = common.unmasked_query_tiles(
+                lr_ref, b, key0, bk, bq, hi, vis
+            )
+            zeros = common.zeros((bk, d), interpret)
+
+            def step(i, carry, qb, masked):
+                dk, dv = carry
+                slot = lax.rem(i, stages)
+                for barrier in ready:
+                    plgpu.barrier_wait(barrier.at[slot])
+
+                def st(acc_ref):
+                    plgpu.wgmma(
+                        acc_ref, k_smem.at[wg], plgpu.transpose_ref(q_smem.at[slot], (1, 0))
+                    )
+                    return acc_ref[...]
+
+                s_t = pl.run_scoped(st, plgpu.ACC((bk, bq), jnp.float32)) * c2
+                lse_c = lax.broadcast_in_dim(common.col(lse_smem.at[slot]), (bk, bq), [1])
+                p_t = jnp.exp2(s_t - lse_c)
+                if masked:
+                    j = common.iota((bk, bq), 0, interpret) + key0
+                    r = common.iota((bk, bq), 1, interpret) + qb * bq
+                    ok = j <= r
+                    if vis.bounded:
+                        ok = ok & (
+                            r <= lax.broadcast_in_dim(common.row(lr_smem.at[wg]), (bk, bq), [0])
+                        )
+                    p_t = jnp.where(ok, p_t, 0.0)
+                p16 = p_t.astype(dtype)
+
+                def dv_dp(refs):
+                    dv_ref, dp_ref = refs
+                    plgpu.wgmma(dv_ref, p16, do_smem.at[slot])
+                    plgpu.wgmma(
+                        dp_ref, v_smem.at[wg], plgpu.transpose_ref(do_smem.at[slot], (1, 0))
+                    )
+
+                dv, dp_t = common.accumulate(
+                    dv_dp, (dv, common.zeros((bk, bq), interpret)), interpret
+                )
+                delta_c = lax.broadcast_in_dim(common.col(delta_smem.at[slot]), (bk, bq), [1])
+                ds16 = (p_t * (dp_t - delta_c)).astype(dtype)
+
+                def dk_step(refs):
+                    plgpu.wgmma(refs[0], ds16, q_smem.at[slot])
+
+                (dk,) = common.accumulate(dk_step, (dk,), interpret)
+                plgpu.barrier_arrive(free.at[slot])
+                return dk, dv
+
+            def head(g, carry):
+                base = g * per_head - lo
+
+                def masked(qb, c):
+                    return step(base + qb, c, qb, True)
+
+                def plain(qb, c):
+                    return step(base + qb, c, qb, False)
+
+                for start, end, mask in common.spans(lo, unmasked_from, unmasked_to, hi):
+                    carry = lax.fori_loop(start, end, masked if mask else plain, carry)
+                return carry
+
+            dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+            k_smem.at[wg][...] = (dk * scale).astype(dtype)
+            v_smem.at[wg][...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[b, own, kv_head])
+            plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[b, own, kv_head])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(common.MEMORY_REGISTERS, action="decrease")
+
+            @pl.loop(0, group * per_head)
+            def _(i):
+                h = kv_head * group + lax.div(i, per_head)
+                qb = lo + lax.rem(i, per_head)
+                slot = lax.rem(i, stages)
+                rows = pl.ds(qb * bq, bq)
+
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(free.at[slot])
+
+                q_ready, do_ready, lse_ready, delta_ready = ready
+                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_ready.at[slot])
+                plgpu.copy_gmem_to_smem(
+                    lse_ref.at[b, h, rows], lse_smem.at[slot], lse_ready.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(
+                    delta_ref.at[b, h, rows], delta_smem.at[slot], delta_ready.at[slot]
+                )
+
+    scratch = [
+        (
+            plgpu.SMEM((2, bk, d), dtype, transforms=tr),
+            plgpu.SMEM((2, bk, d), dtype, transforms=tr),
+            plgpu.SMEM((stages, bq, d), dtype, transforms=tr),
+            plgpu.SMEM((stages, bq, d), dtype, transforms=tr),
+            plgpu.SMEM((stages, bq), jnp.float32),
+            plgpu.SMEM((stages, bq), jnp.float32),
+            plgpu.SMEM((2, bk), jnp.int32),
+        ),
+        tuple(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_barriers=6),
+    ]
+    out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
+    grid = (t // keys, b_, hkv)  # the last axis varies fastest at launch
+    names = ("kv_blocks", "batch", "heads")
+    call = common.kernel_call(body, out_type, grid, names, scratch, interpret)
+    args = (q, k, v, do, lse, delta) + ((last_row,) if vis.bounded else ())
+    return call(*args)
+
+
+def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks, interpret):
+    """dQ [B, T, Hq, D]: a CTA per 2 x dq_block_q rows of a query head, over the key tiles
+    they see (dq_block_kv keys a step). The CTAs of the last rows, which see the most keys,
+    start first."""
+    b_, t, hq, d = q.shape
+    group = hq // k.shape[2]
+    bq, bk, stages = blocks.dq_block_q, blocks.dq_block_kv, blocks.dq_stages
+    rows = 2 * bq
+    dtype = q.dtype
+    c2 = scale * common.LOG2E
+    tr = common.tile_transforms(dtype)
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        if vis.bounded:
+            fk_ref, dq_ref, *scoped = rest
+        else:
+            fk_ref, (dq_ref, *scoped) = None, rest
+        (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, fk_smem), ready, free, own_ready = (
+            scoped
+        )
+        k_ready, v_ready = ready
+        b = lax.axis_index("batch")
+        h = lax.axis_index("heads")
+        first_row = common.longest_first("q_blocks", t // rows) * rows
+        wg = lax.axis_index("wg")
+        hi = lax.div(first_row + rows + bk - 1, bk)
+        lo = lax.div(fk_ref[b, first_row], bk) if vis.bounded else jnp.int32(0)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(common.COMPUTE_REGISTERS, action="increase")
+            row0 = first_row + wg * bq
+            own = pl.ds(row0, bq)
+            copies = [
+                (q_ref.at[b, own, h], q_smem.at[wg]),
+                (do_ref.at[b, own, h], do_smem.at[wg]),
+                (lse_ref.at[b, h, own], lse_smem.at[wg]),
+                (delta_ref.at[b, h, own], delta_smem.at[wg]),
+            ]
+            if vis.bounded:
+                copies.append((fk_ref.at[b, own], fk_smem.at[wg]))
+            for n, (src, dst) in enumerate(copies):
+                plgpu.copy_gmem_to_smem(src, dst, own_ready.at[5 * wg + n])
+            for n in range(len(copies)):
+                plgpu.barrier_wait(own_ready.at[5 * wg + n])
+            own_hi = lax.div(row0 + bq + bk - 1, bk)
+            unmasked = common.unmasked_key_tiles(fk_ref, b, row0, bq, bk, lo, own_hi, vis)
+            lse_r = lax.broadcast_in_dim(common.row(lse_smem.at[wg]), (bq, bk), [0])
+            delta_r = lax.broadcast_in_dim(common.row(delta_smem.at[wg]), (bq, bk), [0])
+
+            def step(kb, dq, masked):
+                slot = lax.rem(kb - lo, stages)
+                plgpu.barrier_wait(k_ready.at[slot])
+
+                def s_dp(refs):
+                    s_ref, dp_ref = refs
+                    plgpu.wgmma(s_ref, q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.wgmma(
+                        dp_ref, do_smem.at[wg], plgpu.transpose_ref(v_smem.at[slot], (1, 0))
+                    )
+
+                zero = common.zeros((bq, bk), interpret)
+                s, dp = common.accumulate(s_dp, (zero, zero), interpret)
+                p = jnp.exp2(s * c2 - lse_r)
+                if masked:
+                    r = common.iota((bq, bk), 0, interpret) + row0
+                    c = common.iota((bq, bk), 1, interpret) + kb * bk
+                    ok = c <= r
+                    if vis.bounded:
+                        ok = ok & (
+                            c >= lax.broadcast_in_dim(common.row(fk_smem.at[wg]), (bq, bk), [0])
+                        )
+                    p = jnp.where(ok, p, 0.0)
+                ds16 = (p * (dp - delta_r)).astype(dtype)
+
+                def dq_step(refs):
+                    plgpu.wgmma(refs[0], ds16, k_smem.at[slot])
+
+                (dq,) = common.accumulate(dq_step, (dq,), interpret)
+                plgpu.barrier_arrive(free.at[slot])
+                return dq
+
+            def release(kb, _):
+                # A tile past this warpgroup's rows: free its slot once it is loaded. Arriving
+                # sooner could complete the slot's previous phase while the other warpgroup
+                # still reads the tile there (no turns keep these warpgroups in step).
+                slot = lax.rem(kb - lo, stages)
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_arrive(free.at[slot])
+
+            dq = common.zeros((bq, d), interpret)
+            for start, end, masked in common.spans(lo, *unmasked, own_hi):
+                dq = lax.fori_loop(start, end, functools.partial(step, masked=masked), dq)
+            lax.fori_loop(own_hi, hi, release, None)
+            q_smem.at[wg][...] = (dq * scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[b, own, h])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(common.MEMORY_REGISTERS, action="decrease")
+            kv_head = lax.div(h, group)
+
+            @pl.loop(lo, hi)
+            def _(kb):
+                i = kb - lo
+                slot = lax.rem(i, stages)
+                tile = (b, pl.ds(kb * bk, bk), kv_head)
+
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(free.at[slot])
+
+                plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
+
+    scratch = [
+        (
+            plgpu.SMEM((2, bq, d), dtype, transforms=tr),
+            plgpu.SMEM((2, bq, d), dtype, transforms=tr),
+            plgpu.SMEM((stages, bk, d), dtype, transforms=tr),
+            plgpu.SMEM((stages, bk, d), dtype, transforms=tr),
+            plgpu.SMEM((2, bq), jnp.float32),
+            plgpu.SMEM((2, bq), jnp.float32),
+            plgpu.SMEM((2, bq), jnp.int32),
+        ),
+        (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_barriers=10),
+    ]
+    call = common.kernel_call(
+        body,
+        jax.ShapeDtypeStruct(q.shape, dtype),
+        (t // rows, b_, hq),
+        ("q_blocks", "batch", "heads"),
+        scratch,
+        interpret,
+    )
+    args = (q, k, v, do, lse, delta) + ((first_key,) if vis.bounded else ())
+    return call(*args)

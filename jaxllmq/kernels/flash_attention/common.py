@@ -1,0 +1,169 @@
+"""Tiles, register layouts and the kernel launch shared by the forward and backward."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+LOG2E = math.log2(math.e)
+# Registers per thread of a compute and of the memory warpgroup: (2 x 232 + 40) x 128 threads
+# fits an SM's 65,536; asking for more makes setmaxnreg wait forever.
+COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
+# Running maxima start here, not at -inf, so a row with no visible key in a tile stays finite.
+NO_MAX = -1e30
+HEAD_DIMS = (64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashBlocks:
+    """Tile sizes (multiples of 64)."""
+
+    block_q: int = 64  # forward: query rows per compute warpgroup (a CTA takes two)
+    block_kv: int = 128  # forward: keys per step
+    stages: int = 2  # forward: key/value tiles in flight
+    dkv_block_kv: int = 64  # dK/dV: keys per compute warpgroup (a CTA takes two)
+    dkv_block_q: int = 64  # dK/dV: query rows per step
+    dkv_stages: int = 2
+    dq_block_q: int = 64  # dQ: query rows per compute warpgroup (a CTA takes two)
+    dq_block_kv: int = 64  # dQ: keys per step
+    dq_stages: int = 2
+
+
+def default_blocks(head_dim: int) -> FlashBlocks:
+    """The tiles for a head dim, as measured on an H200 (causal, 8 x 2048 to 2 x 8192, 32 query
+    and 8 key heads): at head dim 64, dK/dV steps of 128 query rows and dQ steps of 128 keys
+    (alone each 2-3% faster than 64, together within the 3% spread of repeated runs); at 128
+    those spill registers (1.3-1.4x slower), so 64. Three forward stages or 192-key forward
+    tiles were no faster at 64 and do not fit shared memory at 128."""
+    if head_dim == 64:
+        return FlashBlocks(dkv_block_q=128, dq_block_kv=128)
+    return FlashBlocks()
+
+
+@dataclasses.dataclass(frozen=True)
+class Visibility:
+    """Which keys a query sees besides causality: a sliding window (keys j with r - j < window)
+    and packed documents (first_key/last_row arrays given at the call)."""
+
+    window: int | None = None
+    documents: bool = False
+
+    @property
+    def bounded(self) -> bool:
+        return self.window is not None or self.documents
+
+
+def interpret_params():
+    """Mosaic GPU's interpret mode (jax keeps its parameters class private)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def tile_transforms(dtype) -> tuple:
+    """Shared-memory transforms of [rows, D] tiles (D >= 64 elements of 16 bits: 128-byte rows)."""
+    return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+
+
+def row(ref):
+    """A [rows] vector in shared memory, laid out along the rows of a wgmma accumulator."""
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+
+
+def col(ref):
+    """A [cols] vector in shared memory, laid out along the columns of a wgmma accumulator."""
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+
+
+def iota(shape, dim, interpret):
+    if interpret:  # the interpreter knows no register layouts
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def zeros(shape, interpret, fill=0.0):
+    """fp32 registers laid out as a wgmma accumulator ([rows, cols]) or along its rows ([rows])."""
+    x = jnp.full(shape, fill, jnp.float32)
+    if interpret:
+        return x
+    layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)
+    return plgpu.layout_cast(x, layout)
+
+
+def accumulate(issue, accs: tuple, interpret: bool) -> tuple:
+    """accs (fp32 registers) plus the products `issue(refs)` puts into wgmma accumulator refs.
+    On a GPU the products accumulate in place (pl.run_state); Mosaic GPU's interpreter has no
+    run_state, so there they are taken from zeroed accumulators and added."""
+    if interpret:
+
+        def scoped(*refs):
+            issue(refs)
+            return tuple(r[...] for r in refs)
+
+        products = pl.run_scoped(scoped, *(plgpu.ACC(a.shape, a.dtype) for a in accs))
+        return tuple(a + p for a, p in zip(accs, products, strict=True))
+    return pl.run_state(issue)(tuple(plgpu.ACC.init(a) for a in accs))
+
+
+def kernel_call(body, out_type, grid, grid_names, scratch, interpret):
+    """A kernel of two compute warpgroups and a memory one; the grid's last axis varies fastest
+    as CTAs start."""
+
+    def entry(*refs):
+        pl.run_scoped(lambda *scoped: body(*refs, *scoped), *scratch, collective_axes="wg")
+
+    return plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=3,
+        thread_name="wg",
+        # Lane semantics named: newer jax lowers to warpgroup semantics by default.
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
+        ),
+        interpret=interpret_params() if interpret else False,
+    )
+
+
+def longest_first(axis: str, blocks: int):
+    """The query block a CTA takes along `axis` of `blocks`, the last (which see the most keys)
+    first: CTAs start in grid order, and the longest starting last would leave the GPU idle
+    while they finish."""
+    return blocks - 1 - lax.axis_index(axis)
+
+
+def unmasked_key_tiles(fk_ref, b, row0, rows, bk, lo, hi, vis: Visibility):
+    """(start, end): the key tiles in [lo, hi) that rows row0.. row0 + rows - 1 all see whole,
+    wholly at or below every row's diagonal and, bounded, at or past every row's first key
+    (first_key rises with the row, so the last row's bounds them all)."""
+    end = lax.min(lax.div(row0 + 1, bk), hi)
+    if not vis.bounded:
+        return lo, end
+    first = lax.div(fk_ref[b, row0 + rows - 1] + bk - 1, bk)
+    return lax.min(lax.max(lo, first), end), end
+
+
+def unmasked_query_tiles(lr_ref, b, key0, keys, bq, hi, vis: Visibility):
+    """(start, end): the query tiles below `hi` whose rows all see keys key0.. key0 + keys - 1,
+    wholly past their diagonal and, bounded, up to the last row that sees the first key
+    (last_row rises with the key, so the first key's bounds them all)."""
+    start = lax.min(lax.div(key0 + keys + bq - 1, bq), hi)
+    if not vis.bounded:
+        return start, hi
+    return start, lax.max(lax.min(lax.div(lr_ref[b, key0] + 1, bq), hi), start)
+
+
+def spans(lo, unmasked_start, unmasked_end, hi):
+    """The steps [lo, hi) as (start, end, masked) around the unmasked span, in order."""
+    return (
+        (lo, unmasked_start, True),
+        (unmasked_start, unmasked_end, False),
+        (unmasked_end, hi, True),
+    )

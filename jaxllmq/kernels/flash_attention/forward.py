@@ -1,0 +1,180 @@
+"""The forward kernel: O and the logsumexp per query tile (see __init__)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jaxllmq.kernels.flash_attention import common
+
+
+def forward(
+    q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common.FlashBlocks, interpret
+):
+    """(o [B, T, Hq, D], lse [B, Hq, T] fp32 in log2 units of the scaled scores)."""
+    b_, t, hq, d = q.shape
+    group = hq // k.shape[2]
+    bq, bk, stages = blocks.block_q, blocks.block_kv, blocks.stages
+    rows = 2 * bq
+    dtype = q.dtype
+    c2 = scale * common.LOG2E
+    tr = common.tile_transforms(dtype)
+
+    def body(q_ref, k_ref, v_ref, *rest):
+        if vis.bounded:
+            fk_ref, o_ref, lse_ref, *scoped = rest
+        else:
+            fk_ref, (o_ref, lse_ref, *scoped) = None, rest
+        (q_smem, k_smem, v_smem, fk_smem, lse_smem), ready, free, turn = scoped
+        k_ready, v_ready, q_ready = ready
+        k_free, v_free = free
+        b = lax.axis_index("batch")
+        h = lax.axis_index("heads")
+        first_row = common.longest_first("q_blocks", t // rows) * rows
+        wg = lax.axis_index("wg")
+        hi = lax.div(first_row + rows + bk - 1, bk)  # causal: the tile of the last row
+        lo = lax.div(fk_ref[b, first_row], bk) if vis.bounded else jnp.int32(0)
+
+        def take_turn():
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(common.COMPUTE_REGISTERS, action="increase")
+            row0 = first_row + wg * bq
+            own = pl.ds(row0, bq)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, own, h], q_smem.at[wg], q_ready.at[wg])
+            if vis.bounded:
+                plgpu.copy_gmem_to_smem(fk_ref.at[b, own], fk_smem.at[wg], q_ready.at[2 + wg])
+                plgpu.barrier_wait(q_ready.at[2 + wg])
+            plgpu.barrier_wait(q_ready.at[wg])
+            own_hi = lax.div(row0 + bq + bk - 1, bk)
+            unmasked = common.unmasked_key_tiles(fk_ref, b, row0, bq, bk, lo, own_hi, vis)
+            m = common.zeros((bq,), interpret, common.NO_MAX)
+            denom = common.zeros((bq,), interpret)
+            acc = common.zeros((bq, d), interpret)
+            plgpu.barrier_wait(k_ready.at[0])
+            pl.when(wg == 1)(take_turn)
+
+            def step(kb, carry, masked):
+                acc, m, denom = carry
+                slot = lax.rem(kb - lo, stages)
+
+                def qk(acc_ref):
+                    plgpu.wgmma(
+                        acc_ref, q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0))
+                    )
+                    take_turn()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                s = s * c2
+                if masked:
+                    r = common.iota((bq, bk), 0, interpret) + row0
+                    c = common.iota((bq, bk), 1, interpret) + kb * bk
+                    ok = c <= r
+                    if vis.bounded:
+                        first = lax.broadcast_in_dim(common.row(fk_smem.at[wg]), (bq, bk), [0])
+                        ok = ok & (c >= first)
+                    s = jnp.where(ok, s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                denom = denom * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                acc, denom, m_new, p16 = lax.optimization_barrier((acc, denom, m_new, p16))
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(turn)
+
+                def pv(refs):
+                    plgpu.wgmma(refs[0], p16, v_smem.at[slot])
+                    nxt = kb + 1
+
+                    @pl.when(nxt < own_hi)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt - lo, stages)])
+
+                (acc,) = common.accumulate(pv, (acc,), interpret)
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, denom
+
+            def release(kb, _):
+                # Tiles past this warpgroup's rows: free the ring slot, keep the turns paired.
+                slot = lax.rem(kb - lo, stages)
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                take_turn()
+                take_turn()
+
+            carry = (acc, m, denom)
+            for start, end, masked in common.spans(lo, *unmasked, own_hi):
+                carry = lax.fori_loop(start, end, functools.partial(step, masked=masked), carry)
+            acc, m, denom = carry
+            lax.fori_loop(own_hi, hi, release, None)
+            pl.when(wg == 0)(take_turn)
+
+            o = acc * lax.broadcast_in_dim(1.0 / denom, acc.shape, [0])
+            q_smem.at[wg][...] = o.astype(dtype)
+            lse_smem.at[wg][...] = m + jnp.log2(denom)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[b, own, h])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, own])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(common.MEMORY_REGISTERS, action="decrease")
+            kv_head = lax.div(h, group)
+
+            @pl.loop(lo, hi)
+            def _(kb):
+                i = kb - lo
+                slot = lax.rem(i, stages)
+                tile = (b, pl.ds(kb * bk, bk), kv_head)
+
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
+
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(v_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
+
+    scratch = [
+        (
+            plgpu.SMEM((2, bq, d), dtype, transforms=tr),
+            plgpu.SMEM((stages, bk, d), dtype, transforms=tr),
+            plgpu.SMEM((stages, bk, d), dtype, transforms=tr),
+            plgpu.SMEM((2, bq), jnp.int32),
+            plgpu.SMEM((2, bq), jnp.float32),
+        ),
+        (
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=4),
+        ),
+        (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+        plgpu.Barrier(num_arrivals=2),
+    ]
+    out_type = (
+        jax.ShapeDtypeStruct(q.shape, dtype),
+        jax.ShapeDtypeStruct((b_, hq, t), jnp.float32),
+    )
+    call = common.kernel_call(
+        body, out_type, (t // rows, b_, hq), ("q_blocks", "batch", "heads"), scratch, interpret
+    )
+    args = (q, k, v) + ((first_key,) if vis.bounded else ())
+    return call(*args)

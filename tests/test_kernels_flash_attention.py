@@ -1,0 +1,209 @@
+"""The Mosaic GPU flash attention on CPU: which keys each query sees (key_bounds) against the
+masks the model builds, its reference against XLA's attention, its refusals, and that every
+variant lowers to Mosaic GPU for a GPU (jax.export for cuda needs no GPU). Mosaic GPU's
+interpreter lacks what the kernel is built from (transposed wgmma operands, P from registers,
+accumulators kept across calls), so its numerics are checked on the GPU (tests/gpu)."""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import export
+
+from jaxllmq.kernels import flash_attention as fa
+from jaxllmq.kernels.flash_attention import common
+from jaxllmq.model import attention
+from jaxllmq.model.architecture import ModelConfigError, preset
+from jaxllmq.model.llama import Llama
+from jaxllmq.plan import make_plan
+from jaxllmq.settings import ModelSpec
+
+H200 = dict(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0")
+A100 = dict(platform="gpu", device_kind="NVIDIA A100-SXM4-80GB", compute_capability="8.0")
+CPU = dict(platform="cpu", device_kind="cpu")
+
+
+def _segments(rows: int, t: int, starts: list[int]) -> jax.Array:
+    marks = jnp.zeros((rows, t), jnp.int32).at[:, jnp.array(starts)].set(1)
+    return jnp.cumsum(marks, axis=1)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("documents", [False, True])
+def test_key_bounds_are_the_models_masks(window, documents):
+    t = 40
+    seg = _segments(2, t, [7, 8, 23]) if documents else None
+    first, last = fa.key_bounds(t, seg, window, 2)
+    pos = np.arange(t)
+    sees = pos[None, :] <= pos[:, None]  # [query, key]
+    if documents:
+        sees = sees[None] & np.asarray(attention.same_document(seg))[:, 0]
+    else:
+        sees = np.broadcast_to(sees, (2, t, t))
+    if window is not None:
+        sees = sees & np.asarray(attention.keys_within(t, window))
+    from_first = pos[None, None, :] >= np.asarray(first)[:, :, None]
+    until_last = pos[None, :, None] <= np.asarray(last)[:, None, :]
+    causal = pos[None, :] <= pos[:, None]
+    np.testing.assert_array_equal(sees, causal & from_first)
+    np.testing.assert_array_equal(sees, causal & until_last)
+
+
+def test_reference_is_xla_attention_over_documents_and_a_window():
+    keys = jax.random.split(jax.random.key(0), 3)
+    b, t, hq, hkv, d = 2, 32, 4, 2, 16
+    q = jax.random.normal(keys[0], (b, t, hq, d))
+    k = jax.random.normal(keys[1], (b, t, hkv, d))
+    v = jax.random.normal(keys[2], (b, t, hkv, d))
+    seg = _segments(b, t, [5, 20])
+    first, _ = fa.key_bounds(t, seg, 6, b)
+    mask = attention.same_document(seg) & attention.keys_within(t, 6)
+    want = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=0.3)
+    got = fa.reference_attention(q, k, v, 0.3, first)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_refuses_what_it_does_not_take_in_one_line():
+    assert fa.fits(64, 8, 2, jnp.bfloat16) is None
+    assert fa.fits(80, 8, 2, jnp.bfloat16) == "head dim 80 (it takes 64 or 128)"
+    assert fa.fits(128, 8, 2, jnp.float32) == "float32 (it takes bfloat16 or float16)"
+    assert fa.fits(64, 8, 3, jnp.bfloat16) == "8 query heads over 3 key heads"
+    with pytest.raises(ValueError, match="does not take head dim 96"):
+        x = jnp.zeros((1, 256, 2, 96), jnp.bfloat16)
+        fa.flash_attention(x, x, x, scale=1.0)
+
+
+@pytest.mark.parametrize(
+    "t, d, documents, window, blocks",
+    [
+        (256, 64, False, None, fa.FlashBlocks()),
+        (256, 128, True, 100, fa.FlashBlocks()),
+        (200, 64, True, None, fa.FlashBlocks(stages=3, dkv_block_q=128, dq_block_kv=128)),
+    ],
+    ids=["causal-64", "bounded-128", "padded-documents-wide-tiles-64"],
+)
+def test_forward_and_backward_lower_to_mosaic_gpu(t, d, documents, window, blocks):
+    b, hq, hkv = 1, 4, 2
+    q = jax.ShapeDtypeStruct((b, t, hq, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, t, hkv, d), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((b, t), jnp.int32)
+
+    def loss(q, k, v, seg):
+        o = fa.flash_attention(
+            q,
+            k,
+            v,
+            scale=d**-0.5,
+            segment_ids_BxT=seg if documents else None,
+            window=window,
+            blocks=blocks,
+        )
+        return jnp.sum(o.astype(jnp.float32))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    module = export.export(grads, platforms=["cuda"])(q, kv, kv, seg).mlir_module()
+    # The forward and the backward's two kernels (dK/dV, dQ), Mosaic GPU calls.
+    assert len(re.findall(r"custom_call @mosaic_gpu", module)) == 3
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_a_model_with_mosaic_attention_lowers_with_documents(scan_layers):
+    cfg = dataclasses.replace(preset("tiny"), num_hidden_layers=2, vocab_size=256, head_dim=64)
+    model = Llama(
+        cfg,
+        rngs=nnx.Rngs(0),
+        param_dtype=jnp.bfloat16,
+        dtype=jnp.bfloat16,
+        attention="mosaic",
+        scan_layers=scan_layers,
+    )
+    graphdef, params = nnx.split(model)
+    tokens = jax.ShapeDtypeStruct((2, 192), jnp.int32)
+
+    def loss(params, tokens, segments):
+        hidden = nnx.merge(graphdef, params)(tokens, segment_ids_BxT=segments)
+        return jnp.sum(hidden.astype(jnp.float32))
+
+    grads = jax.jit(jax.grad(loss))
+    module = export.export(grads, platforms=["cuda"])(params, tokens, tokens).mlir_module()
+    calls = len(re.findall(r"custom_call @mosaic_gpu", module))
+    # forward + dK/dV + dQ per layer; a scan lowers one layer's body.
+    assert calls == (3 if scan_layers else 3 * cfg.num_hidden_layers)
+
+
+@pytest.mark.parametrize(
+    "cfg, hardware, mesh, message",
+    [
+        ("llama-3.2-1b", CPU, (1, 1, 1), "runs on a Hopper GPU (H100, H200) only, not on cpu"),
+        ("llama-3.2-1b", A100, (1, 1, 1), "only, not on this GPU"),
+        ("llama-3.2-1b", H200, (2, 1, 1), "runs on one device for now (2 here)"),
+        ("gemma-3-1b", H200, (1, 1, 1), "does not take head dim 256 (it takes 64 or 128)"),
+    ],
+)
+def test_the_plan_refuses_mosaic_attention_where_it_cannot_run(cfg, hardware, mesh, message):
+    spec = ModelSpec(model=cfg, from_scratch=True, matmul_dtype="bfloat16", attention="mosaic")
+    spec = dataclasses.replace(spec, scan_layers=False)
+    shape = dict(zip(("data", "fsdp", "tensor"), mesh, strict=True))
+    with pytest.raises(ModelConfigError, match=re.escape(message)):
+        make_plan(preset(cfg), spec, mesh_shape=shape, **hardware)
+
+
+def test_the_plan_runs_mosaic_attention_on_one_hopper_gpu():
+    spec = ModelSpec(model="llama-3.2-1b", from_scratch=True, matmul_dtype="bfloat16")
+    spec = dataclasses.replace(spec, attention="mosaic")
+    mesh = {"data": 1, "fsdp": 1, "tensor": 1}
+    plan = make_plan(preset("llama-3.2-1b"), spec, mesh_shape=mesh, **H200, documents_per_window=32)
+    assert plan.attention == "mosaic"
+    assert "mosaic (documents by segment ids, up to 32 a window)" in plan.describe()
+
+
+@pytest.mark.parametrize(
+    "cfg, hardware, devices, documents, chosen",
+    [
+        ("llama-3.2-1b", H200, 1, 32, "mosaic"),  # documents on one Hopper GPU: ours
+        ("llama-3.2-1b", H200, 1, None, "cudnn"),  # causal alone: cuDNN's is faster
+        ("llama-3.2-1b", H200, 2, 32, "cudnn"),  # no sharding rule for ours yet
+        ("llama-3.2-1b", A100, 1, 32, "cudnn"),
+        ("gemma-3-1b", H200, 1, 32, "cudnn"),  # head dim 256
+        ("llama-3.2-1b", CPU, 1, 32, "xla"),
+    ],
+)
+def test_auto_attention_runs_documents_in_mosaic_where_it_can(
+    cfg, hardware, devices, documents, chosen
+):
+    spec = ModelSpec(model=cfg, from_scratch=True, matmul_dtype="bfloat16")
+    spec = dataclasses.replace(spec, scan_layers=False)
+    mesh = {"data": devices, "fsdp": 1, "tensor": 1}
+    plan = make_plan(preset(cfg), spec, mesh_shape=mesh, **hardware, documents_per_window=documents)
+    assert plan.attention == chosen
+
+
+@pytest.mark.parametrize("key_tile", [64, 128])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("documents", [False, True])
+def test_the_tiles_left_unmasked_are_those_seen_whole(window, documents, key_tile):
+    """The tile ranges the kernels compute without a mask are exactly the tiles whose every key
+    every query of the block sees (forward and dQ by query blocks, dK/dV by key blocks)."""
+    t, rows, tile = 1024, 64, 64
+    seg = _segments(1, t, [130, 131, 300, 777]) if documents else None
+    vis = common.Visibility(window=window, documents=documents)
+    first, last = fa.key_bounds(t, seg, window, 1)
+    pos = np.arange(t)
+    sees = (pos[None, :] <= pos[:, None]) & (pos[None, :] >= np.asarray(first)[0][:, None])
+    whole = sees.reshape(t // tile, tile, t // tile, tile).all(axis=(1, 3))  # [query, key] tiles
+    by_keys = sees.reshape(t // rows, rows, t // key_tile, key_tile).all(axis=(1, 3))
+    for block in range(t // rows):
+        row0 = block * rows
+        hi = (row0 + rows + key_tile - 1) // key_tile
+        lo = int(first[0, row0]) // key_tile
+        start, end = common.unmasked_key_tiles(first, 0, row0, rows, key_tile, lo, hi, vis)
+        assert lo <= int(start) <= int(end) <= hi
+        want = [kb for kb in range(lo, hi) if by_keys[block, kb]]
+        assert list(range(int(start), int(end))) == want, ("keys", row0)
+        start, end = common.unmasked_query_tiles(last, 0, row0, rows, tile, t // tile, vis)
+        want = [qb for qb in range(block, t // tile) if whole[qb, block]]
+        assert list(range(int(start), int(end))) == want, ("queries", row0)
