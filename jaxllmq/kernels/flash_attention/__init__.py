@@ -114,22 +114,22 @@ def reference_attention(q, k, v, scale, first_key=None):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), vr)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _flash(q, k, v, first_key, last_row, scale, vis, blocks, interpret):
-    o, _ = forward(q, k, v, first_key, scale=scale, vis=vis, blocks=blocks, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _flash(q, k, v, first_key, last_row, scale, vis, blocks):
+    o, _ = forward(q, k, v, first_key, scale=scale, vis=vis, blocks=blocks)
     return o
 
 
-def _flash_fwd(q, k, v, first_key, last_row, scale, vis, blocks, interpret):
-    o, lse = forward(q, k, v, first_key, scale=scale, vis=vis, blocks=blocks, interpret=interpret)
+def _flash_fwd(q, k, v, first_key, last_row, scale, vis, blocks):
+    o, lse = forward(q, k, v, first_key, scale=scale, vis=vis, blocks=blocks)
     return o, (q, k, v, o, lse, first_key, last_row)
 
 
-def _flash_bwd(scale, vis, blocks, interpret, res, do):
+def _flash_bwd(scale, vis, blocks, res, do):
     q, k, v, o, lse, first_key, last_row = res
     do = do.astype(q.dtype)
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
-    kw = dict(scale=scale, vis=vis, blocks=blocks, interpret=interpret)
+    kw = dict(scale=scale, vis=vis, blocks=blocks)
     dk, dv = backward_dkv(q, k, v, do, lse, delta, last_row, **kw)
     dq = backward_dq(q, k, v, do, lse, delta, first_key, **kw)
     none = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731 (int inputs)
@@ -148,7 +148,6 @@ def flash_attention(
     segment_ids_BxT: jax.Array | None = None,
     window: int | None = None,
     blocks: FlashBlocks | None = None,
-    interpret: bool = False,
 ) -> jax.Array:
     """Causal attention [B, T, Hq, D] of q over k, v [B, T, Hkv, D] (Hq a multiple of Hkv),
     within each document of `segment_ids_BxT` and a sliding `window`, where `fits` says so.
@@ -170,5 +169,5 @@ def flash_attention(
     first_key = last_row = None
     if vis.bounded:
         first_key, last_row = key_bounds(t + pad, seg, window, b)
-    o = _flash(q, k, v, first_key, last_row, scale, vis, blocks, interpret)
+    o = _flash(q, k, v, first_key, last_row, scale, vis, blocks)
     return o[:, :t] if pad else o

@@ -13,7 +13,7 @@ from jax import lax
 from jaxllmq.kernels.flash_attention import common
 
 
-def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, interpret):
+def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     """(dK, dV) [B, T, Hkv, D]: a CTA per 2 x dkv_block_kv keys of a key head, over the query
     tiles of every query head of its group that see them. The CTAs of the first keys, which
     the most queries see, start first."""
@@ -24,7 +24,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, inter
     keys = 2 * bk
     dtype = q.dtype
     c2 = scale * common.LOG2E
-    tr = common.tile_transforms(dtype)
+    tr = common.TILE_TRANSFORMS
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         rest = list(rest)
@@ -57,7 +57,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, inter
             unmasked_from, unmasked_to = common.unmasked_query_tiles(
                 lr_ref, b, key0, bk, bq, hi, vis
             )
-            zeros = common.zeros((bk, d), interpret)
+            zeros = common.zeros((bk, d))
 
             def step(i, carry, qb, masked):
                 dk, dv = carry
@@ -75,8 +75,8 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, inter
                 lse_c = lax.broadcast_in_dim(common.col(lse_smem.at[slot]), (bk, bq), [1])
                 p_t = jnp.exp2(s_t - lse_c)
                 if masked:
-                    j = common.iota((bk, bq), 0, interpret) + key0
-                    r = common.iota((bk, bq), 1, interpret) + qb * bq
+                    j = common.iota((bk, bq), 0) + key0
+                    r = common.iota((bk, bq), 1) + qb * bq
                     ok = j <= r
                     if vis.bounded:
                         ok = ok & (
@@ -92,16 +92,14 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, inter
                         dp_ref, v_smem.at[wg], plgpu.transpose_ref(do_smem.at[slot], (1, 0))
                     )
 
-                dv, dp_t = common.accumulate(
-                    dv_dp, (dv, common.zeros((bk, bq), interpret)), interpret
-                )
+                dv, dp_t = common.accumulate(dv_dp, (dv, common.zeros((bk, bq))))
                 delta_c = lax.broadcast_in_dim(common.col(delta_smem.at[slot]), (bk, bq), [1])
                 ds16 = (p_t * (dp_t - delta_c)).astype(dtype)
 
                 def dk_step(refs):
                     plgpu.wgmma(refs[0], ds16, q_smem.at[slot])
 
-                (dk,) = common.accumulate(dk_step, (dk,), interpret)
+                (dk,) = common.accumulate(dk_step, (dk,))
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv
 
@@ -168,12 +166,12 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks, inter
     out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
     grid = (t // keys, b_, hkv)  # the last axis varies fastest at launch
     names = ("kv_blocks", "batch", "heads")
-    call = common.kernel_call(body, out_type, grid, names, scratch, interpret)
+    call = common.kernel_call(body, out_type, grid, names, scratch)
     args = (q, k, v, do, lse, delta) + ((last_row,) if vis.bounded else ())
     return call(*args)
 
 
-def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks, interpret):
+def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):
     """dQ [B, T, Hq, D]: a CTA per 2 x dq_block_q rows of a query head, over the key tiles
     they see (dq_block_kv keys a step). The CTAs of the last rows, which see the most keys,
     start first."""
@@ -183,7 +181,7 @@ def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks, inter
     rows = 2 * bq
     dtype = q.dtype
     c2 = scale * common.LOG2E
-    tr = common.tile_transforms(dtype)
+    tr = common.TILE_TRANSFORMS
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         if vis.bounded:
@@ -235,12 +233,12 @@ def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks, inter
                         dp_ref, do_smem.at[wg], plgpu.transpose_ref(v_smem.at[slot], (1, 0))
                     )
 
-                zero = common.zeros((bq, bk), interpret)
-                s, dp = common.accumulate(s_dp, (zero, zero), interpret)
+                zero = common.zeros((bq, bk))
+                s, dp = common.accumulate(s_dp, (zero, zero))
                 p = jnp.exp2(s * c2 - lse_r)
                 if masked:
-                    r = common.iota((bq, bk), 0, interpret) + row0
-                    c = common.iota((bq, bk), 1, interpret) + kb * bk
+                    r = common.iota((bq, bk), 0) + row0
+                    c = common.iota((bq, bk), 1) + kb * bk
                     ok = c <= r
                     if vis.bounded:
                         ok = ok & (
@@ -252,7 +250,7 @@ def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks, inter
                 def dq_step(refs):
                     plgpu.wgmma(refs[0], ds16, k_smem.at[slot])
 
-                (dq,) = common.accumulate(dq_step, (dq,), interpret)
+                (dq,) = common.accumulate(dq_step, (dq,))
                 plgpu.barrier_arrive(free.at[slot])
                 return dq
 
@@ -265,7 +263,7 @@ def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks, inter
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_arrive(free.at[slot])
 
-            dq = common.zeros((bq, d), interpret)
+            dq = common.zeros((bq, d))
             for start, end, masked in common.spans(lo, *unmasked, own_hi):
                 dq = lax.fori_loop(start, end, functools.partial(step, masked=masked), dq)
             lax.fori_loop(own_hi, hi, release, None)
@@ -277,20 +275,8 @@ def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks, inter
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(common.MEMORY_REGISTERS, action="decrease")
-            kv_head = lax.div(h, group)
-
-            @pl.loop(lo, hi)
-            def _(kb):
-                i = kb - lo
-                slot = lax.rem(i, stages)
-                tile = (b, pl.ds(kb * bk, bk), kv_head)
-
-                @pl.when(i >= stages)
-                def _():
-                    plgpu.barrier_wait(free.at[slot])
-
-                plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
+            rings = ((k_ref, k_smem, k_ready, free), (v_ref, v_smem, v_ready, None))
+            common.stream_key_tiles(rings, b, lax.div(h, group), lo, hi, bk, stages)
 
     scratch = [
         (
@@ -312,7 +298,6 @@ def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks, inter
         (t // rows, b_, hq),
         ("q_blocks", "batch", "heads"),
         scratch,
-        interpret,
     )
     args = (q, k, v, do, lse, delta) + ((first_key,) if vis.bounded else ())
     return call(*args)

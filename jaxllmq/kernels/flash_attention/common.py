@@ -58,16 +58,8 @@ class Visibility:
         return self.window is not None or self.documents
 
 
-def interpret_params():
-    """Mosaic GPU's interpret mode (jax keeps its parameters class private)."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
-
-
-def tile_transforms(dtype) -> tuple:
-    """Shared-memory transforms of [rows, D] tiles (D >= 64 elements of 16 bits: 128-byte rows)."""
-    return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+# Shared-memory transforms of [rows, D] tiles (D >= 64 elements of 16 bits: 128-byte rows).
+TILE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
 def row(ref):
@@ -80,37 +72,23 @@ def col(ref):
     return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
 
 
-def iota(shape, dim, interpret):
-    if interpret:  # the interpreter knows no register layouts
-        return lax.broadcasted_iota(jnp.int32, shape, dim)
+def iota(shape, dim):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-def zeros(shape, interpret, fill=0.0):
+def zeros(shape, fill=0.0):
     """fp32 registers laid out as a wgmma accumulator ([rows, cols]) or along its rows ([rows])."""
-    x = jnp.full(shape, fill, jnp.float32)
-    if interpret:
-        return x
     layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)
-    return plgpu.layout_cast(x, layout)
+    return plgpu.layout_cast(jnp.full(shape, fill, jnp.float32), layout)
 
 
-def accumulate(issue, accs: tuple, interpret: bool) -> tuple:
-    """accs (fp32 registers) plus the products `issue(refs)` puts into wgmma accumulator refs.
-    On a GPU the products accumulate in place (pl.run_state); Mosaic GPU's interpreter has no
-    run_state, so there they are taken from zeroed accumulators and added."""
-    if interpret:
-
-        def scoped(*refs):
-            issue(refs)
-            return tuple(r[...] for r in refs)
-
-        products = pl.run_scoped(scoped, *(plgpu.ACC(a.shape, a.dtype) for a in accs))
-        return tuple(a + p for a, p in zip(accs, products, strict=True))
+def accumulate(issue, accs: tuple) -> tuple:
+    """accs (fp32 registers) plus the products `issue(refs)` puts into wgmma accumulator refs,
+    accumulated in place."""
     return pl.run_state(issue)(tuple(plgpu.ACC.init(a) for a in accs))
 
 
-def kernel_call(body, out_type, grid, grid_names, scratch, interpret):
+def kernel_call(body, out_type, grid, grid_names, scratch):
     """A kernel of two compute warpgroups and a memory one; the grid's last axis varies fastest
     as CTAs start."""
 
@@ -128,7 +106,6 @@ def kernel_call(body, out_type, grid, grid_names, scratch, interpret):
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
         ),
-        interpret=interpret_params() if interpret else False,
     )
 
 
@@ -137,6 +114,28 @@ def longest_first(axis: str, blocks: int):
     first: CTAs start in grid order, and the longest starting last would leave the GPU idle
     while they finish."""
     return blocks - 1 - lax.axis_index(axis)
+
+
+def stream_key_tiles(rings, b, kv_head, lo, hi, bk, stages):
+    """The memory warpgroup's loop of the forward and dQ kernels: key tiles lo.. hi - 1 of
+    (b, kv_head), bk keys each, by TMA into rings of `stages` slots. `rings`: per tensor (K, V)
+    its (gmem ref, smem slots, ready barriers, free barriers); a slot is refilled once its free
+    barrier says the compute warpgroups are done with it (free None: the one before it in
+    `rings` frees both)."""
+
+    @pl.loop(lo, hi)
+    def _(kb):
+        i = kb - lo
+        slot = lax.rem(i, stages)
+        tile = (b, pl.ds(kb * bk, bk), kv_head)
+        for ref, smem, ready, free in rings:
+            if free is not None:
+
+                @pl.when(i >= stages)
+                def _(free=free):
+                    plgpu.barrier_wait(free.at[slot])
+
+            plgpu.copy_gmem_to_smem(ref.at[tile], smem.at[slot], ready.at[slot])
 
 
 def unmasked_key_tiles(fk_ref, b, row0, rows, bk, lo, hi, vis: Visibility):

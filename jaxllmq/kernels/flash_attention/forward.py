@@ -13,9 +13,7 @@ from jax import lax
 from jaxllmq.kernels.flash_attention import common
 
 
-def forward(
-    q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common.FlashBlocks, interpret
-):
+def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common.FlashBlocks):
     """(o [B, T, Hq, D], lse [B, Hq, T] fp32 in log2 units of the scaled scores)."""
     b_, t, hq, d = q.shape
     group = hq // k.shape[2]
@@ -23,7 +21,7 @@ def forward(
     rows = 2 * bq
     dtype = q.dtype
     c2 = scale * common.LOG2E
-    tr = common.tile_transforms(dtype)
+    tr = common.TILE_TRANSFORMS
 
     def body(q_ref, k_ref, v_ref, *rest):
         if vis.bounded:
@@ -56,9 +54,9 @@ def forward(
             plgpu.barrier_wait(q_ready.at[wg])
             own_hi = lax.div(row0 + bq + bk - 1, bk)
             unmasked = common.unmasked_key_tiles(fk_ref, b, row0, bq, bk, lo, own_hi, vis)
-            m = common.zeros((bq,), interpret, common.NO_MAX)
-            denom = common.zeros((bq,), interpret)
-            acc = common.zeros((bq, d), interpret)
+            m = common.zeros((bq,), common.NO_MAX)
+            denom = common.zeros((bq,))
+            acc = common.zeros((bq, d))
             plgpu.barrier_wait(k_ready.at[0])
             pl.when(wg == 1)(take_turn)
 
@@ -77,8 +75,8 @@ def forward(
                 plgpu.barrier_arrive(k_free.at[slot])
                 s = s * c2
                 if masked:
-                    r = common.iota((bq, bk), 0, interpret) + row0
-                    c = common.iota((bq, bk), 1, interpret) + kb * bk
+                    r = common.iota((bq, bk), 0) + row0
+                    c = common.iota((bq, bk), 1) + kb * bk
                     ok = c <= r
                     if vis.bounded:
                         first = lax.broadcast_in_dim(common.row(fk_smem.at[wg]), (bq, bk), [0])
@@ -103,7 +101,7 @@ def forward(
                     def _():
                         plgpu.barrier_wait(k_ready.at[lax.rem(nxt - lo, stages)])
 
-                (acc,) = common.accumulate(pv, (acc,), interpret)
+                (acc,) = common.accumulate(pv, (acc,))
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, denom
 
@@ -133,25 +131,8 @@ def forward(
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(common.MEMORY_REGISTERS, action="decrease")
-            kv_head = lax.div(h, group)
-
-            @pl.loop(lo, hi)
-            def _(kb):
-                i = kb - lo
-                slot = lax.rem(i, stages)
-                tile = (b, pl.ds(kb * bk, bk), kv_head)
-
-                @pl.when(i >= stages)
-                def _():
-                    plgpu.barrier_wait(k_free.at[slot])
-
-                plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
-
-                @pl.when(i >= stages)
-                def _():
-                    plgpu.barrier_wait(v_free.at[slot])
-
-                plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
+            rings = ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free))
+            common.stream_key_tiles(rings, b, lax.div(h, group), lo, hi, bk, stages)
 
     scratch = [
         (
@@ -174,7 +155,7 @@ def forward(
         jax.ShapeDtypeStruct((b_, hq, t), jnp.float32),
     )
     call = common.kernel_call(
-        body, out_type, (t // rows, b_, hq), ("q_blocks", "batch", "heads"), scratch, interpret
+        body, out_type, (t // rows, b_, hq), ("q_blocks", "batch", "heads"), scratch
     )
     args = (q, k, v) + ((first_key,) if vis.bounded else ())
     return call(*args)
