@@ -150,8 +150,6 @@ def gather_embed_below(vocab: int, mesh_shape: Mapping[str, int], zero_level: in
 def _mosaic_attention_refusal(model_cfg, dtype, platform, hopper, devices) -> str | None:
     """Why jaxllmq's flash attention (--attention=mosaic) cannot run here, in one line (None:
     it can)."""
-    from jaxllmq.kernels import flash_attention
-
     if platform not in ("gpu", "cuda") or not hopper:
         where = "this GPU" if platform in ("gpu", "cuda") else platform
         return f"--attention=mosaic runs on a Hopper GPU (H100, H200) only, not on {where}"
@@ -160,6 +158,8 @@ def _mosaic_attention_refusal(model_cfg, dtype, platform, hopper, devices) -> st
             f"--attention=mosaic runs on one device for now ({devices} here): its kernel has no "
             "sharding rule yet"
         )
+    from jaxllmq.kernels import flash_attention  # Mosaic GPU's Pallas: where it can run only
+
     why = flash_attention.fits(
         model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_key_value_heads, dtype
     )
