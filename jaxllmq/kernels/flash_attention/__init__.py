@@ -32,14 +32,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxllmq.kernels.flash_attention.backward import backward_dkv, backward_dq
+from jaxllmq.kernels.flash_attention import backward, forward
 from jaxllmq.kernels.flash_attention.common import (
     HEAD_DIMS,
     FlashBlocks,
     Visibility,
     default_blocks,
 )
-from jaxllmq.kernels.flash_attention.forward import forward
 
 __all__ = [
     "HEAD_DIMS",
@@ -114,14 +113,22 @@ def reference_attention(q, k, v, scale, first_key=None):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), vr)
 
 
+# Each kernel behind one jit: every layer's call then lowers to the same function, so a model's
+# unrolled layers build each Mosaic GPU kernel once rather than once a layer.
+_KERNEL_OPTIONS = ("scale", "vis", "blocks")
+_forward = jax.jit(forward.forward, static_argnames=_KERNEL_OPTIONS)
+_backward_dkv = jax.jit(backward.backward_dkv, static_argnames=_KERNEL_OPTIONS)
+_backward_dq = jax.jit(backward.backward_dq, static_argnames=_KERNEL_OPTIONS)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _flash(q, k, v, first_key, last_row, scale, vis, blocks):
-    o, _ = forward(q, k, v, first_key, scale=scale, vis=vis, blocks=blocks)
+    o, _ = _forward(q, k, v, first_key, scale=scale, vis=vis, blocks=blocks)
     return o
 
 
 def _flash_fwd(q, k, v, first_key, last_row, scale, vis, blocks):
-    o, lse = forward(q, k, v, first_key, scale=scale, vis=vis, blocks=blocks)
+    o, lse = _forward(q, k, v, first_key, scale=scale, vis=vis, blocks=blocks)
     return o, (q, k, v, o, lse, first_key, last_row)
 
 
@@ -130,8 +137,8 @@ def _flash_bwd(scale, vis, blocks, res, do):
     do = do.astype(q.dtype)
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
     kw = dict(scale=scale, vis=vis, blocks=blocks)
-    dk, dv = backward_dkv(q, k, v, do, lse, delta, last_row, **kw)
-    dq = backward_dq(q, k, v, do, lse, delta, first_key, **kw)
+    dk, dv = _backward_dkv(q, k, v, do, lse, delta, last_row, **kw)
+    dq = _backward_dq(q, k, v, do, lse, delta, first_key, **kw)
     none = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731 (int inputs)
     return dq, dk, dv, none(first_key), none(last_row)
 
