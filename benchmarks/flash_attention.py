@@ -20,6 +20,7 @@ from absl import app, flags
 from jaxllmq import bench
 from jaxllmq.cli import flags as cli_flags
 from jaxllmq.kernels import flash_attention as fa
+from jaxllmq.kernels.flash_attention import backward, common, forward
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["8x2048", "4x4096", "2x8192"], "Batch x sequence length pairs.")
@@ -36,6 +37,12 @@ flags.DEFINE_multi_string(
     "repeat the flag for several; empty: the defaults.",
 )
 flags.DEFINE_bool("errors", True, "Also measure errors against a float32 reference.")
+flags.DEFINE_bool(
+    "kernels_apart",
+    False,
+    "Also time ours' three kernels apart (forward, dK/dV, dQ; causal, default tiles): where "
+    "the time goes.",
+)
 
 
 def parse_blocks(spec: str) -> fa.FlashBlocks:
@@ -60,6 +67,24 @@ def _errors(attend, reference, q, k, v, do) -> dict:
     names = ("o", "dq", "dk", "dv")
     pairs = zip(names, (got[0], *grads), (want[0], *ref_grads), strict=True)
     return {n: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b))) for n, a, b in pairs}
+
+
+def _kernels_apart(q, k, v, do, scale) -> dict:
+    """ms of each of ours' kernels alone, causal with the default tiles."""
+    kw = dict(scale=scale, vis=common.Visibility(), blocks=fa.default_blocks(q.shape[-1]))
+    fwd = jax.jit(lambda q, k, v: forward.forward(q, k, v, None, **kw))
+    o, lse = fwd(q, k, v)
+    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+    dkv = jax.jit(lambda *a: backward.backward_dkv(*a, None, **kw))
+    dq = jax.jit(lambda *a: backward.backward_dq(*a, None, **kw))
+    args = (q, k, v, do, lse, delta)
+    ms = lambda call: 1e3 * bench.time_calls(call, calls=20)  # noqa: E731
+    return {
+        "variant": "mosaic kernels apart",
+        "fwd_ms": ms(lambda: fwd(q, k, v)),
+        "dkv_ms": ms(lambda: dkv(*args)),
+        "dq_ms": ms(lambda: dq(*args)),
+    }
 
 
 def measure(b: int, t: int, d: int) -> None:
@@ -99,6 +124,8 @@ def measure(b: int, t: int, d: int) -> None:
         fkw, _ = fa.key_bounds(t, None, w, b)
         win = lambda q, k, v, w=w: fa.flash_attention(q, k, v, scale=scale, window=w)  # noqa: E731
         variants[f"mosaic window {w}"] = (win, lambda q, k, v, fkw=fkw: reference(q, k, v, fkw))
+    if FLAGS.kernels_apart:
+        emit(_kernels_apart(q, k, v, do, scale))
     for name, (attend, ref) in variants.items():
         try:
             fwd = jax.jit(attend)
