@@ -99,8 +99,8 @@ class ModelSpec(Settings):
     attention: str = setting(
         "auto",
         "Attention kernel; auto = cuDNN on GPU in bf16 (XLA's with --deterministic), packed "
-        "documents in mosaic where it runs; mosaic = jaxllmq's own flash attention (one Hopper "
-        "GPU, head dim 64 or 128).",
+        "documents in mosaic on one Hopper GPU; mosaic = jaxllmq's own flash attention (Hopper "
+        "GPUs, head dim 64 or 128; per device on several).",
         choices=ATTENTIONS,
     )
     deterministic: bool = setting(

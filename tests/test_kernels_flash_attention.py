@@ -141,7 +141,6 @@ def test_a_model_with_mosaic_attention_over_documents_lowers_each_kernel_once(sc
     [
         ("llama-3.2-1b", CPU, (1, 1, 1), "runs on a Hopper GPU (H100, H200) only, not on cpu"),
         ("llama-3.2-1b", A100, (1, 1, 1), "only, not on this GPU"),
-        ("llama-3.2-1b", H200, (2, 1, 1), "runs on one device for now (2 here)"),
         ("gemma-3-1b", H200, (1, 1, 1), "does not take head dim 256 (it takes 64 or 128)"),
     ],
 )
@@ -167,7 +166,7 @@ def test_the_plan_runs_mosaic_attention_on_one_hopper_gpu():
     [
         ("llama-3.2-1b", H200, 1, 32, "mosaic"),  # documents on one Hopper GPU: ours
         ("llama-3.2-1b", H200, 1, None, "cudnn"),  # causal alone: cuDNN's is faster
-        ("llama-3.2-1b", H200, 2, 32, "cudnn"),  # no sharding rule for ours yet
+        ("llama-3.2-1b", H200, 2, 32, "cudnn"),  # ours measured on one GPU only
         ("llama-3.2-1b", A100, 1, 32, "cudnn"),
         ("gemma-3-1b", H200, 1, 32, "cudnn"),  # head dim 256
         ("llama-3.2-1b", CPU, 1, 32, "xla"),

@@ -16,8 +16,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxllmq.model.kv_cache import KVCache
+from jaxllmq.parallel.mesh import BATCH_AXES, TENSOR
 
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "mosaic")
 
@@ -85,13 +87,16 @@ def attend_documents(
     *,
     window: int | jax.Array | None = None,
     scale: float | None = None,
+    mesh: Mesh | None = None,
 ) -> jax.Array:
-    """Causal GQA attention within each document: by XLA's mask, or cuDNN's packed layout; each
-    query also within its sliding `window` if one is given (an int, or under XLA a traced
-    scalar), the logits scaled by `scale` (default 1/sqrt(H))."""
+    """Causal GQA attention within each document: by XLA's mask, cuDNN's packed layout or our
+    kernel (per device of `mesh`, if given); each query also within its sliding `window` if one
+    is given (an int, or under XLA a traced scalar), the logits scaled by `scale` (default
+    1/sqrt(H))."""
     T, H = q_BxTxNxH.shape[1], q_BxTxNxH.shape[-1]
     if documents.segment_ids_BxT is not None:
-        return _mosaic(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, documents.segment_ids_BxT, window, scale)
+        seg = documents.segment_ids_BxT
+        return _mosaic(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, seg, window, scale, mesh)
     if documents.mask_Bx1xTxT is not None:
         mask = documents.mask_Bx1xTxT
         if window is not None:
@@ -117,13 +122,26 @@ def attend_documents(
     )
 
 
-def _mosaic(q, k, v, segment_ids, window, scale):
+def _mosaic(q, k, v, segment_ids, window, scale, mesh):
+    """Our flash attention, on each device's rows and heads under shard_map where `mesh` is
+    given (a Pallas call has no partitioning rule): the batch split over the batch axes, the
+    heads over the tensor axis, which keeps each query head with its key/value head, as
+    tensor parallelism requires the key/value heads to divide evenly."""
     from jaxllmq.kernels import flash_attention
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return flash_attention.flash_attention(
-        q, k, v, scale=scale, segment_ids_BxT=segment_ids, window=window
-    )
+
+    def run(q, k, v, segment_ids=None):
+        return flash_attention.flash_attention(
+            q, k, v, scale=scale, segment_ids_BxT=segment_ids, window=window
+        )
+
+    args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
+    if mesh is None:
+        return run(*args)
+    heads, rows = PartitionSpec(BATCH_AXES, None, TENSOR, None), PartitionSpec(BATCH_AXES, None)
+    in_specs = (heads, heads, heads, rows)[: len(args)]
+    return jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(*args)
 
 
 def resolve_attention(
@@ -139,7 +157,7 @@ def resolve_attention(
     XLA's otherwise, and XLA's under XLA's deterministic ops (cuDNN's crashes under them) or with
     `per_layer_windows` (layers of several sliding windows scanned: that mask runs in XLA's
     attention only). Packed documents run in jaxllmq's flash attention ("mosaic") where it can
-    take them (`mosaic_documents`: a Hopper GPU, one device, its head dims): on an H200 its
+    take them (`mosaic_documents`: one Hopper GPU, its head dims): on an H200 its
     forward + backward took 0.5-0.7x the time of cuDNN's 32 segments at the 1B's heads, with
     no limit on documents a window and less memory; else they run as cuDNN's segments."""
     if attention not in ATTENTION_IMPLS:
@@ -168,6 +186,7 @@ def attend(
     documents: Documents | None = None,
     window: int | jax.Array | None = None,
     scale: float | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Causal GQA attention (K kv heads serve N/K query heads each; cuDNN's fused kernel on GPU),
     and the cache, if any, holding these tokens' keys and values too.
@@ -176,18 +195,19 @@ def attend(
     document's keys. `window`: the query at position p reads keys p - window < j <= p only
     (transformers' sliding window); an int, or a traced scalar (a scan over layers of several
     windows; llama.ALL_KEYS: no window) that only XLA's attention takes, as a mask. `scale`: the
-    logits' (default 1/sqrt(H)). With one layer's cache the queries are at positions
+    logits' (default 1/sqrt(H)). `mesh`: our flash attention ("mosaic") runs per device of it
+    (None: one call over the whole batch). With one layer's cache the queries are at positions
     cache.length.., and each reads the cached keys up to its own position."""
     traced = window is not None and not isinstance(window, int)
     if traced and implementation != "xla":
         raise ValueError(f"a per-layer window needs XLA's attention, not {implementation!r}")
     if implementation == "mosaic" and cache is None and documents is None:
-        return _mosaic(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, None, window, scale), None
+        return _mosaic(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, None, window, scale, mesh), None
     if implementation == "mosaic":  # a KV cache's attention (generation): cuDNN's
         implementation = "cudnn"
     if documents is not None:
         o_BxTxNxH = attend_documents(
-            q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, documents, window=window, scale=scale
+            q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, documents, window=window, scale=scale, mesh=mesh
         )
         return o_BxTxNxH, cache
     if cache is None:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh
 
 from jaxllmq.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_tee
 from jaxllmq.model import fp8, fp8_delayed, gemma
@@ -105,10 +106,12 @@ def decoder_layer(
     cache: KVCache | None = None,
     documents: Documents | None = None,
     window: int | jax.Array | None = None,
+    attention_mesh: Mesh | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)) (Gemma's: each sublayer's
     output normed too, before the add). Params cast to `dtype` here. Returns the block's output
-    and `cache` (one layer's, for decoding) with these tokens added. `window`: attend's.
+    and `cache` (one layer's, for decoding) with these tokens added. `window`, and
+    `attention_mesh` as its `mesh`: attend's.
 
     `linear(x, w, name)` is the q/k/v/o/gate/up/down matmul: `@` in `dtype`, or fp8
     (model/fp8.py, model/fp8_delayed.py, which needs the weight's name for its scales).
@@ -157,6 +160,7 @@ def decoder_layer(
         documents=documents,
         window=window,
         scale=cfg.query_pre_attn_scalar**-0.5 if cfg.is_gemma else None,
+        mesh=attention_mesh,
     )
     o_BxTxNxH = checkpoint_name(o_BxTxNxH, ATT)
     o_BxTxD = linear(o_BxTxNxH.reshape(B, T, N * H), w["o_proj"], "o_proj")
@@ -209,6 +213,7 @@ class Llama(nnx.Module):
         fp8_quantizer: fp8.Quantizer | None = None,
         fuse_qkv_grads: bool = False,
         documents_per_window: int | None = None,
+        attention_mesh: Mesh | None = None,
     ):
         self.cfg = cfg
         self.dtype = dtype
@@ -227,6 +232,8 @@ class Llama(nnx.Module):
         )
         # Packed documents kept apart in a window (attention.documents_for), if segment ids come.
         self.documents_per_window = documents_per_window
+        # The mesh that jaxllmq's flash attention runs on per device (attend's `mesh`), or None.
+        self.attention_mesh = attention_mesh
         self.norm_impl = norm_impl  # RMSNorm: "xla" or "pallas" (kernels.resolve_impl)
         self.recompute = recompute or Recompute()
         # Sharding hooks (parallel/): `constrain` pins the activations' sharding at block
@@ -327,6 +334,7 @@ class Llama(nnx.Module):
                 cache=cache,
                 documents=documents,
                 window=window,
+                attention_mesh=self.attention_mesh,
             )
             return self.constrain(x), cache
 
