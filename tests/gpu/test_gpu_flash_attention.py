@@ -1,7 +1,8 @@
 """The Mosaic GPU flash attention on the GPU: forward and backward against the float32 reference
 within twice cuDNN's own error at the same shape, causal, over packed documents and with a
-sliding window, at head dims 64 and 128; and the same gradients on each of several calls (a race
-between warpgroups shows as a call that differs)."""
+sliding window, at head dims 64 and 128; the same gradients on each of several calls (a race
+between warpgroups shows as a call that differs); and the same results through the model's
+per-device path (shard_map) as from the plain call."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,8 @@ import pytest
 
 from jaxllmq import bench
 from jaxllmq.kernels import flash_attention as fa
+from jaxllmq.model import attention
+from jaxllmq.parallel.mesh import make_mesh
 
 pytestmark = pytest.mark.gpu
 
@@ -71,3 +74,23 @@ def test_matches_the_reference_as_closely_as_cudnn(head_dim, visibility):
     for call in again:
         for g, a in zip(got, call, strict=True):
             assert bool(jnp.array_equal(g, a)), "a call differs from the first"
+
+
+def test_the_model_path_under_shard_map_gives_the_plain_calls_results():
+    """On several devices the model calls the kernel per device under shard_map; a mesh of this
+    one GPU runs that path, whose output and gradients must be the plain call's, bit for bit."""
+    q, k, v, do = _inputs(64)
+    documents = attention.documents_for("mosaic", jnp.asarray(bench.document_segment_ids(B, T)), 32)
+
+    def run(mesh):
+        def attend(q, k, v):
+            o, _ = attention.attend(
+                q, k, v, None, implementation="mosaic", documents=documents, mesh=mesh
+            )
+            return o
+
+        return jax.jit(lambda q, k, v, do: _outputs(attend, q, k, v, do))(q, k, v, do)
+
+    per_device, plain = run(make_mesh(gpus=1)), run(None)
+    for name, got, want in zip(("o", "dq", "dk", "dv"), per_device, plain, strict=True):
+        assert bool(jnp.array_equal(got, want)), f"{name} differs under shard_map"
