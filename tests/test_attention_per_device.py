@@ -2,7 +2,7 @@
 the model calls it under shard_map on each device's rows and heads. Checked on 8 fake CPU devices
 with the kernel replaced by its pure-JAX reference (the kernel itself runs on a Hopper GPU only):
 each call must see one device's share, and the model's loss and gradients must be the unsharded
-model's. A lowering test builds the real kernel's Mosaic GPU module inside the shard_map."""
+model's. test_kernels_flash_attention.py lowers the real kernel inside the shard_map."""
 
 import dataclasses
 
@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax import export
 
 from jaxllmq.kernels import flash_attention as fa
 from jaxllmq.model.architecture import preset
@@ -80,29 +79,3 @@ def test_the_model_runs_it_per_device_as_one_call_would(monkeypatch, documents):
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
-
-
-def test_the_kernel_lowers_per_device_inside_shard_map():
-    """The real kernel, lowered for GPUs (jax.export needs none): each of its three Mosaic GPU
-    calls takes one device's share, q [2 rows, T padded to 256, 2 heads, 64] of [8, 192, 4, 64]."""
-    mesh = make_mesh(tensor_parallel=2, data_parallel=2)
-    model = Llama(
-        CFG,
-        rngs=nnx.Rngs(0),
-        param_dtype=jnp.bfloat16,
-        dtype=jnp.bfloat16,
-        attention="mosaic",
-        attention_mesh=mesh,
-        scan_layers=False,
-    )
-    graphdef, params = nnx.split(model)
-    tokens = jax.ShapeDtypeStruct((B, 192), jnp.int32)
-
-    def loss(params, tokens, segments):
-        hidden = nnx.merge(graphdef, params)(tokens, segment_ids_BxT=segments)
-        return jnp.sum(hidden.astype(jnp.float32))
-
-    exported = export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(params, tokens, tokens)
-    calls = [ln for ln in exported.mlir_module().splitlines() if "custom_call @mosaic_gpu" in ln]
-    assert exported.nr_devices == 8 and len(calls) == 3
-    assert all(" : (tensor<2x256x2x64xbf16>, tensor<2x256x1x64xbf16>" in ln for ln in calls)

@@ -19,6 +19,7 @@ from jaxllmq.kernels.flash_attention import common
 from jaxllmq.model import attention
 from jaxllmq.model.architecture import ModelConfigError, preset
 from jaxllmq.model.llama import Llama
+from jaxllmq.parallel.mesh import make_mesh
 from jaxllmq.plan import make_plan
 from jaxllmq.settings import ModelSpec
 
@@ -110,9 +111,9 @@ def test_forward_and_backward_lower_to_mosaic_gpu(t, d, documents, window, block
     assert len(re.findall(r"custom_call @mosaic_gpu", module)) == 3
 
 
-@pytest.mark.parametrize("scan_layers", [True, False])
-def test_a_model_with_mosaic_attention_over_documents_lowers_each_kernel_once(scan_layers):
-    cfg = dataclasses.replace(preset("tiny"), num_hidden_layers=2, vocab_size=256, head_dim=64)
+def _lowered_gradient(cfg, rows: int, scan_layers: bool, mesh=None) -> export.Exported:
+    """The gradient of a bf16 model with our attention over documents (192 tokens a row),
+    lowered for GPUs; `mesh`: the attention per device of it."""
     model = Llama(
         cfg,
         rngs=nnx.Rngs(0),
@@ -120,20 +121,42 @@ def test_a_model_with_mosaic_attention_over_documents_lowers_each_kernel_once(sc
         dtype=jnp.bfloat16,
         attention="mosaic",
         scan_layers=scan_layers,
+        attention_mesh=mesh,
     )
     graphdef, params = nnx.split(model)
-    tokens = jax.ShapeDtypeStruct((2, 192), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((rows, 192), jnp.int32)
 
     def loss(params, tokens, segments):
         hidden = nnx.merge(graphdef, params)(tokens, segment_ids_BxT=segments)
         return jnp.sum(hidden.astype(jnp.float32))
 
-    grads = jax.jit(jax.grad(loss))
-    module = export.export(grads, platforms=["cuda"])(params, tokens, tokens).mlir_module()
-    calls = len(re.findall(r"custom_call @mosaic_gpu", module))
+    return export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(params, tokens, tokens)
+
+
+def _mosaic_calls(exported: export.Exported) -> list[str]:
+    return [ln for ln in exported.mlir_module().splitlines() if "custom_call @mosaic_gpu" in ln]
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_a_model_with_mosaic_attention_over_documents_lowers_each_kernel_once(scan_layers):
+    cfg = dataclasses.replace(preset("tiny"), num_hidden_layers=2, vocab_size=256, head_dim=64)
     # forward, dK/dV and dQ, each once: a scan lowers one layer's body, and unrolled layers
     # call one function per kernel rather than building each kernel again.
-    assert calls == 3
+    assert len(_mosaic_calls(_lowered_gradient(cfg, 2, scan_layers))) == 3
+
+
+def test_the_kernel_lowers_per_device_inside_shard_map():
+    """On 8 devices (data 2, fsdp 2, tensor 2) each of the three Mosaic GPU calls takes one
+    device's share: q [2 rows, T padded to 256, 2 heads, 64] of [8, 192, 4, 64]."""
+    cfg = dataclasses.replace(
+        preset("tiny"), num_hidden_layers=2, vocab_size=256, head_dim=64,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    mesh = make_mesh(tensor_parallel=2, data_parallel=2)
+    exported = _lowered_gradient(cfg, 8, scan_layers=False, mesh=mesh)
+    calls = _mosaic_calls(exported)
+    assert exported.nr_devices == 8 and len(calls) == 3
+    assert all(" : (tensor<2x256x2x64xbf16>, tensor<2x256x1x64xbf16>" in ln for ln in calls)
 
 
 @pytest.mark.parametrize(
