@@ -74,7 +74,7 @@ def _kernels_apart(q, k, v, do, scale) -> dict:
     kw = dict(scale=scale, vis=common.Visibility(), blocks=fa.default_blocks(q.shape[-1]))
     fwd = jax.jit(lambda q, k, v: forward.forward(q, k, v, None, **kw))
     o, lse = fwd(q, k, v)
-    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+    delta = backward.row_delta(o, do)
     dkv = jax.jit(lambda *a: backward.backward_dkv(*a, None, **kw))
     dq = jax.jit(lambda *a: backward.backward_dq(*a, None, **kw))
     args = (q, k, v, do, lse, delta)

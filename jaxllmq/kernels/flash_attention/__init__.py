@@ -135,7 +135,7 @@ def _flash_fwd(q, k, v, first_key, last_row, scale, vis, blocks):
 def _flash_bwd(scale, vis, blocks, res, do):
     q, k, v, o, lse, first_key, last_row = res
     do = do.astype(q.dtype)
-    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+    delta = backward.row_delta(o, do)
     kw = dict(scale=scale, vis=vis, blocks=blocks)
     dk, dv = _backward_dkv(q, k, v, do, lse, delta, last_row, **kw)
     dq = _backward_dq(q, k, v, do, lse, delta, first_key, **kw)

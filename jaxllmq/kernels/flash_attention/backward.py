@@ -13,6 +13,12 @@ from jax import lax
 from jaxllmq.kernels.flash_attention import common
 
 
+def row_delta(o, do):
+    """delta [B, Hq, T] fp32: each query row's sum of o * dO, which both backward kernels take
+    (dS = P * (dP - delta))."""
+    return jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+
+
 def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     """(dK, dV) [B, T, Hkv, D]: a CTA per 2 x dkv_block_kv keys of a key head, over the query
     tiles of every query head of its group that see them. The CTAs of the first keys, which
