@@ -223,11 +223,10 @@ def make_plan(
         platform=platform,
         deterministic=spec.deterministic,
         per_layer_windows=per_layer_windows,
-        # Measured faster on one GPU; on several it runs per device (--attention=mosaic), not
-        # yet timed there, so auto keeps cuDNN's segments.
-        mosaic_documents=documents_per_window is not None
-        and mosaic_refusal is None
-        and devices == 1,
+        mosaic=mosaic_refusal is None,
+        # Measured faster on one GPU; on several it runs per device, not yet timed there, so
+        # auto keeps cuDNN's segments (under --deterministic the other choice is XLA's, slower).
+        documents=documents_per_window is not None and devices == 1,
     )
     mesh = AbstractMesh(tuple(shape.values()), MESH_AXES)
     _, abstract, axes = abstract_model(model_cfg, attention=attention)

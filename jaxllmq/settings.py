@@ -98,17 +98,18 @@ class ModelSpec(Settings):
     )
     attention: str = setting(
         "auto",
-        "Attention kernel; auto = cuDNN on GPU in bf16 (XLA's with --deterministic), packed "
-        "documents in mosaic on one Hopper GPU; mosaic = jaxllmq's own flash attention (Hopper "
-        "GPUs, head dim 64 or 128; per device on several).",
+        "Attention kernel; auto = cuDNN on GPU in bf16, packed documents in mosaic on one "
+        "Hopper GPU, and with --deterministic mosaic where it runs (else XLA's); mosaic = "
+        "jaxllmq's own flash attention (Hopper GPUs, head dim 64 or 128; per device on several).",
         choices=ATTENTIONS,
     )
     deterministic: bool = setting(
         False,
-        "Bit-identical runs on GPU (CPU runs are already): XLA's deterministic ops and XLA's "
-        "attention (cuDNN's crashes under them in jax 0.11.2). 2-2.5x slower on the 1B step; "
-        "XLA's attention keeps the [batch, heads, seq, seq] scores, so large batches need "
-        "--recompute_att (docs/PERFORMANCE.md).",
+        "Bit-identical runs on GPU (CPU runs are already): XLA's deterministic ops, and attention "
+        "in jaxllmq's flash attention where it runs (the 1B step 9% slower than without), else "
+        "XLA's (cuDNN's crashes under them in jax 0.11.2): 2-2.5x slower, and it keeps the "
+        "[batch, heads, seq, seq] scores, so large batches need --recompute_att "
+        "(docs/PERFORMANCE.md).",
     )
     kernels: str = setting(
         "auto",

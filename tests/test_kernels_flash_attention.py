@@ -185,21 +185,26 @@ def test_the_plan_runs_mosaic_attention_on_one_hopper_gpu():
 
 
 @pytest.mark.parametrize(
-    "cfg, hardware, devices, documents, chosen",
+    "cfg, hardware, devices, documents, deterministic, chosen",
     [
-        ("llama-3.2-1b", H200, 1, 32, "mosaic"),  # documents on one Hopper GPU: ours
-        ("llama-3.2-1b", H200, 1, None, "cudnn"),  # causal alone: cuDNN's is faster
-        ("llama-3.2-1b", H200, 2, 32, "cudnn"),  # ours measured on one GPU only
-        ("llama-3.2-1b", A100, 1, 32, "cudnn"),
-        ("gemma-3-1b", H200, 1, 32, "cudnn"),  # head dim 256
-        ("llama-3.2-1b", CPU, 1, 32, "xla"),
+        ("llama-3.2-1b", H200, 1, 32, False, "mosaic"),  # documents on one Hopper GPU: ours
+        ("llama-3.2-1b", H200, 1, None, False, "cudnn"),  # causal alone: cuDNN's is faster
+        ("llama-3.2-1b", H200, 2, 32, False, "cudnn"),  # ours measured on one GPU only
+        ("llama-3.2-1b", A100, 1, 32, False, "cudnn"),
+        ("gemma-3-1b", H200, 1, 32, False, "cudnn"),  # head dim 256
+        ("llama-3.2-1b", CPU, 1, 32, False, "xla"),
+        # Deterministic: ours wherever it runs (per device on several), else XLA's.
+        ("llama-3.2-1b", H200, 1, None, True, "mosaic"),
+        ("llama-3.2-1b", H200, 2, 32, True, "mosaic"),
+        ("llama-3.2-1b", A100, 1, None, True, "xla"),
+        ("gemma-3-1b", H200, 1, None, True, "xla"),
     ],
 )
-def test_auto_attention_runs_documents_in_mosaic_where_it_can(
-    cfg, hardware, devices, documents, chosen
+def test_auto_attention_runs_documents_and_deterministic_runs_in_mosaic_where_it_can(
+    cfg, hardware, devices, documents, deterministic, chosen
 ):
     spec = ModelSpec(model=cfg, from_scratch=True, matmul_dtype="bfloat16")
-    spec = dataclasses.replace(spec, scan_layers=False)
+    spec = dataclasses.replace(spec, scan_layers=False, deterministic=deterministic)
     mesh = {"data": devices, "fsdp": 1, "tensor": 1}
     plan = make_plan(preset(cfg), spec, mesh_shape=mesh, **hardware, documents_per_window=documents)
     assert plan.attention == chosen

@@ -151,29 +151,29 @@ def resolve_attention(
     platform: str | None = None,
     deterministic: bool = False,
     per_layer_windows: bool = False,
-    mosaic_documents: bool = False,
+    mosaic: bool = False,
+    documents: bool = False,
 ) -> str:
     """'auto' -> cuDNN's fused attention on GPU (`platform`, default jax's backend) in bf16/fp16,
-    XLA's otherwise, and XLA's under XLA's deterministic ops (cuDNN's crashes under them) or with
-    `per_layer_windows` (layers of several sliding windows scanned: that mask runs in XLA's
-    attention only). Packed documents run in jaxllmq's flash attention ("mosaic") where it can
-    take them (`mosaic_documents`: one Hopper GPU, its head dims): on an H200 its
+    XLA's otherwise, and XLA's with `per_layer_windows` (layers of several sliding windows
+    scanned: that mask runs in XLA's attention only). Where jaxllmq's flash attention ("mosaic")
+    can run (`mosaic`: a Hopper GPU, its head dims) it takes packed `documents`: on an H200 its
     forward + backward took 0.5-0.7x the time of cuDNN's 32 segments at the 1B's heads, with
-    no limit on documents a window and less memory; else they run as cuDNN's segments."""
+    no limit on documents a window and less memory. `deterministic` (XLA's deterministic ops):
+    cuDNN's crashes under them and its backward's atomics round differently each run, while
+    ours writes every output from one place in a fixed order; ours where it can run, else
+    XLA's (2-2.5x slower on the 1B step)."""
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
     if attention != "auto":
         return attention
     on_gpu = (platform or jax.default_backend()) in ("gpu", "cuda")
-    fused = (
-        on_gpu
-        and not deterministic
-        and not per_layer_windows
-        and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-    )
-    if fused and mosaic_documents:
+    fused = on_gpu and not per_layer_windows and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    if not fused:
+        return "xla"
+    if mosaic and (documents or deterministic):
         return "mosaic"
-    return "cudnn" if fused else "xla"
+    return "xla" if deterministic else "cudnn"
 
 
 def attend(

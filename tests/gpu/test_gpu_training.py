@@ -8,6 +8,7 @@ programs can be compared bit for bit: without them GPU runs differ from their fi
 (atomics in the scatter-adds; docs/experiments/2026-11-30-determinism.md).
 """
 
+import dataclasses
 import functools
 import json
 import math
@@ -45,11 +46,12 @@ CUDNN_ATTENTION = "__cudnn$fmha"
 CUBLAS_FP8 = "__cublas$lt$matmul$f8"
 
 
-def train(batches, *, zero_level=1, compile_options=None, **spec_kw):
-    """Losses of the tiny preset trained on `batches` (one step each, the lr schedule over 100
-    steps), the final state and the plan. compile_options: XLA options for the step's
-    compilation."""
+def train(batches, *, zero_level=1, compile_options=None, head_dim=None, **spec_kw):
+    """Losses of the tiny preset (at `head_dim`, None: its own) trained on `batches` (one step
+    each, the lr schedule over 100 steps), the final state and the plan. compile_options: XLA
+    options for the step's compilation."""
     cfg = load_model_config("tiny")
+    cfg = dataclasses.replace(cfg, head_dim=head_dim) if head_dim else cfg
     spec = ModelSpec(model="tiny", from_scratch=True, **{"matmul_dtype": "bfloat16", **spec_kw})
     mesh = make_mesh(1)
     plan = plan_for(cfg, spec, mesh, zero_level=zero_level)
@@ -127,6 +129,16 @@ def test_deterministic_runs_are_bit_identical():
              "--bench_warmup=1", "--deterministic")  # fmt: skip
     first, second = _bench_losses(*flags), _bench_losses(*flags)
     assert len(first) == 10 and all(map(math.isfinite, first)), first
+    assert first == second
+
+
+def test_deterministic_runs_in_our_flash_attention_are_bit_identical():
+    """At head dim 64 `--deterministic` runs attention in jaxllmq's flash attention, whose every
+    output is written from one place in a fixed order: two runs match bit for bit."""
+    first, _, plan = same_batch_losses(head_dim=64)
+    second, _, _ = same_batch_losses(head_dim=64)
+    assert plan.attention == "mosaic"
+    assert all(map(math.isfinite, first)) and first[-1] < first[0], first
     assert first == second
 
 
