@@ -244,7 +244,7 @@ def make_plan(
         quantize_per_device=per_device(run["fp8_quantize"]),
         lmhead_chunks=spec.lmhead_chunks,
         attention=attention,
-        attention_per_device=attention == "mosaic" and devices > 1,
+        attention_per_device=per_device(attention),
         documents_per_window=documents_per_window,
         # Not under tensor parallelism, which splits q, k and v by heads: the concatenation
         # would cross that split.
