@@ -235,3 +235,28 @@ def test_the_tiles_left_unmasked_are_those_seen_whole(window, documents, key_til
         start, end = common.unmasked_query_tiles(last, 0, row0, rows, tile, t // tile, vis)
         want = [qb for qb in range(block, t // tile) if whole[qb, block]]
         assert list(range(int(start), int(end))) == want, ("queries", row0)
+
+
+@pytest.mark.parametrize(
+    ("ranks", "batch", "heads"), [(16, 8, 32), (64, 2, 32), (3, 2, 5), (7, 1, 1)]
+)
+def test_the_persistent_forward_takes_every_item_once_and_evens_out_the_work(ranks, batch, heads):
+    """Work: over the CTAs (vmapped as the kernel's "ctas" axis) and each one's items, every
+    item comes exactly once, and where an item's work falls with its rank (causal: ranks - rank
+    key tiles), no CTA has more than the mean plus one item's most."""
+    work = common.Work(ranks, batch, heads)
+    most = max(work.count // work.ctas + 1, 2)
+
+    def items_of_a_cta(_):
+        mine = work.mine()
+        n = jnp.arange(most)
+        rank, b, h = jax.vmap(work.place)(n)
+        return jnp.where(n < mine, (rank * batch + b) * heads + h, -1), jnp.where(
+            n < mine, ranks - rank, 0
+        )
+
+    items, lengths = jax.vmap(items_of_a_cta, axis_name="ctas")(jnp.arange(work.ctas))
+    items = np.asarray(items)
+    assert sorted(items[items >= 0].tolist()) == list(range(work.count))
+    load = np.asarray(lengths).sum(axis=1)
+    assert load.max() <= load.mean() + ranks

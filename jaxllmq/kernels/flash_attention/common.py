@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
@@ -88,6 +89,51 @@ def accumulate(issue, accs: tuple) -> tuple:
     return pl.run_state(issue)(tuple(plgpu.ACC.init(a) for a in accs))
 
 
+def resident_ctas() -> int:
+    """CTAs resident at once: one per SM (each takes all of an SM's registers); an H200's 132
+    where the device does not say (lowering for a GPU on a CPU)."""
+    return getattr(jax.devices()[0], "core_count", None) or 132
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """A persistent kernel's work: `ranks` x `batch` x `heads` items over one CTA per SM, each
+    CTA taking its items in turn (so it can load the next item's tiles while it finishes the
+    last, where a CTA per item waits for its first loads and its stores). Items go by rank (the
+    kernel maps rank 0 to the block with the most work), then batch, then head (neighbours
+    share K/V in L2). CTA c takes the c-th item of each even round of `ctas` items and the
+    (ctas - 1 - c)-th of each odd one, so that the lengths, falling with the rank, even out."""
+
+    ranks: int
+    batch: int
+    heads: int
+
+    @property
+    def count(self) -> int:
+        return self.ranks * self.batch * self.heads
+
+    @property
+    def ctas(self) -> int:
+        return min(self.count, resident_ctas())
+
+    def _seat(self, round_):
+        """This CTA's place in a round of items (round_ traced or not)."""
+        cta = lax.axis_index("ctas")
+        return cta + lax.rem(round_, 2) * (self.ctas - 1 - 2 * cta)
+
+    def mine(self):
+        """How many items this CTA takes."""
+        rounds, rest = divmod(self.count, self.ctas)
+        return rounds + (self._seat(jnp.int32(rounds)) < rest).astype(jnp.int32)
+
+    def place(self, n):
+        """(rank, b, h) of this CTA's n-th item."""
+        item = n * self.ctas + self._seat(n)
+        per_rank = self.batch * self.heads
+        rest = lax.rem(item, per_rank)
+        return lax.div(item, per_rank), lax.div(rest, self.heads), lax.rem(rest, self.heads)
+
+
 def kernel_call(body, out_type, grid, grid_names, scratch):
     """A kernel of two compute warpgroups and a memory one; the grid's last axis varies fastest
     as CTAs start."""
@@ -116,16 +162,17 @@ def longest_first(axis: str, blocks: int):
     return blocks - 1 - lax.axis_index(axis)
 
 
-def stream_key_tiles(rings, b, kv_head, lo, hi, bk, stages):
+def stream_key_tiles(rings, b, kv_head, lo, hi, bk, stages, before=0):
     """The memory warpgroup's loop of the forward and dQ kernels: key tiles lo.. hi - 1 of
-    (b, kv_head), bk keys each, by TMA into rings of `stages` slots. `rings`: per tensor (K, V)
+    (b, kv_head), bk keys each, by TMA into rings of `stages` slots. `before`: the tiles streamed
+    for earlier items (the rings carry on from them). `rings`: per tensor (K, V)
     its (gmem ref, smem slots, ready barriers, free barriers); a slot is refilled once its free
     barrier says the compute warpgroups are done with it (free None: the one before it in
     `rings` frees both)."""
 
     @pl.loop(lo, hi)
     def _(kb):
-        i = kb - lo
+        i = before + kb - lo
         slot = lax.rem(i, stages)
         tile = (b, pl.ds(kb * bk, bk), kv_head)
         for ref, smem, ready, free in rings:

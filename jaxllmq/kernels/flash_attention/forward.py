@@ -22,6 +22,7 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
     dtype = q.dtype
     c2 = scale * common.LOG2E
     tr = common.TILE_TRANSFORMS
+    work = common.Work(t // rows, b_, hq)
 
     def body(q_ref, k_ref, v_ref, *rest):
         if vis.bounded:
@@ -29,14 +30,19 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
         else:
             fk_ref, (o_ref, lse_ref, *scoped) = None, rest
         (q_smem, k_smem, v_smem, fk_smem, lse_smem), ready, free, turn = scoped
-        k_ready, v_ready, q_ready = ready
+        k_ready, v_ready, rows_ready = ready
         k_free, v_free = free
-        b = lax.axis_index("batch")
-        h = lax.axis_index("heads")
-        first_row = common.longest_first("q_blocks", t // rows) * rows
         wg = lax.axis_index("wg")
-        hi = lax.div(first_row + rows + bk - 1, bk)  # causal: the tile of the last row
-        lo = lax.div(fk_ref[b, first_row], bk) if vis.bounded else jnp.int32(0)
+        mine = work.mine()
+
+        def item_at(n):
+            """(b, h, first row, first and last + 1 key tile) of this CTA's n-th item: the
+            last rows, which see the most keys, first."""
+            rank, b, h = work.place(n)
+            first_row = (work.ranks - 1 - rank) * rows
+            hi = lax.div(first_row + rows + bk - 1, bk)  # causal: the tile of the last row
+            lo = lax.div(fk_ref[b, first_row], bk) if vis.bounded else jnp.int32(0)
+            return b, h, first_row, lo, hi
 
         def take_turn():
             plgpu.barrier_arrive(turn)
@@ -45,107 +51,142 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
         @pl.when(wg < 2)
         def _compute():
             plgpu.set_max_registers(common.COMPUTE_REGISTERS, action="increase")
-            row0 = first_row + wg * bq
-            own = pl.ds(row0, bq)
-            plgpu.copy_gmem_to_smem(q_ref.at[b, own, h], q_smem.at[wg], q_ready.at[wg])
-            if vis.bounded:
-                plgpu.copy_gmem_to_smem(fk_ref.at[b, own], fk_smem.at[wg], q_ready.at[2 + wg])
-                plgpu.barrier_wait(q_ready.at[2 + wg])
-            plgpu.barrier_wait(q_ready.at[wg])
-            own_hi = lax.div(row0 + bq + bk - 1, bk)
-            unmasked = common.unmasked_key_tiles(fk_ref, b, row0, bq, bk, lo, own_hi, vis)
-            m = common.zeros((bq,), common.NO_MAX)
-            denom = common.zeros((bq,))
-            acc = common.zeros((bq, d))
-            plgpu.barrier_wait(k_ready.at[0])
-            pl.when(wg == 1)(take_turn)
 
-            def step(kb, carry, masked):
-                acc, m, denom = carry
-                slot = lax.rem(kb - lo, stages)
-
-                def qk(acc_ref):
-                    plgpu.wgmma(
-                        acc_ref, q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0))
+            def load_rows(n):
+                """The n-th item's query rows (and their first keys) into buffer n % 2."""
+                b, h, first_row, _, _ = item_at(n)
+                own = pl.ds(first_row + wg * bq, bq)
+                buf = 2 * lax.rem(n, 2) + wg
+                plgpu.copy_gmem_to_smem(q_ref.at[b, own, h], q_smem.at[buf], rows_ready.at[buf])
+                if vis.bounded:
+                    plgpu.copy_gmem_to_smem(
+                        fk_ref.at[b, own], fk_smem.at[buf], rows_ready.at[4 + buf]
                     )
-                    take_turn()
-                    return acc_ref[...]
 
-                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
-                s = s * c2
-                if masked:
-                    r = common.iota((bq, bk), 0) + row0
-                    c = common.iota((bq, bk), 1) + kb * bk
-                    ok = c <= r
-                    if vis.bounded:
-                        first = lax.broadcast_in_dim(common.row(fk_smem.at[wg]), (bq, bk), [0])
-                        ok = ok & (c >= first)
-                    s = jnp.where(ok, s, -jnp.inf)
-                m_new = jnp.maximum(m, s.max(axis=1))
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                denom = denom * alpha + p.sum(axis=1)
-                p16 = p.astype(dtype)
-                acc, denom, m_new, p16 = lax.optimization_barrier((acc, denom, m_new, p16))
-                plgpu.barrier_arrive(turn)
-                plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.barrier_wait(turn)
+            def item(n, before):
+                b, h, first_row, lo, hi = item_at(n)
+                buf = 2 * lax.rem(n, 2) + wg
+                row0 = first_row + wg * bq
+                own = pl.ds(row0, bq)
+                if vis.bounded:
+                    plgpu.barrier_wait(rows_ready.at[4 + buf])
+                plgpu.barrier_wait(rows_ready.at[buf])
+                own_hi = lax.div(row0 + bq + bk - 1, bk)
+                unmasked = common.unmasked_key_tiles(fk_ref, b, row0, bq, bk, lo, own_hi, vis)
 
-                def pv(refs):
-                    plgpu.wgmma(refs[0], p16, v_smem.at[slot])
-                    nxt = kb + 1
+                def ring(kb):
+                    return lax.rem(before + kb - lo, stages)
 
-                    @pl.when(nxt < own_hi)
+                m = common.zeros((bq,), common.NO_MAX)
+                denom = common.zeros((bq,))
+                acc = common.zeros((bq, d))
+                plgpu.barrier_wait(k_ready.at[ring(lo)])
+                pl.when(wg == 1)(take_turn)
+
+                def step(kb, carry, masked):
+                    acc, m, denom = carry
+                    slot = ring(kb)
+
+                    def qk(acc_ref):
+                        plgpu.wgmma(
+                            acc_ref, q_smem.at[buf], plgpu.transpose_ref(k_smem.at[slot], (1, 0))
+                        )
+                        take_turn()
+                        return acc_ref[...]
+
+                    s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[slot])
+
+                    @pl.when(kb == lo)
                     def _():
-                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt - lo, stages)])
+                        # Once this warpgroup's stores of the item before have left the other
+                        # buffer, the next item's rows load there.
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        pl.when(n + 1 < mine)(lambda: load_rows(n + 1))
 
-                (acc,) = common.accumulate(pv, (acc,))
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, denom
+                    s = s * c2
+                    if masked:
+                        r = common.iota((bq, bk), 0) + row0
+                        c = common.iota((bq, bk), 1) + kb * bk
+                        ok = c <= r
+                        if vis.bounded:
+                            first = lax.broadcast_in_dim(common.row(fk_smem.at[buf]), (bq, bk), [0])
+                            ok = ok & (c >= first)
+                        s = jnp.where(ok, s, -jnp.inf)
+                    m_new = jnp.maximum(m, s.max(axis=1))
+                    alpha = jnp.exp2(m - m_new)
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    denom = denom * alpha + p.sum(axis=1)
+                    p16 = p.astype(dtype)
+                    acc, denom, m_new, p16 = lax.optimization_barrier((acc, denom, m_new, p16))
+                    plgpu.barrier_arrive(turn)
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.barrier_wait(turn)
 
-            def release(kb, _):
-                # Tiles past this warpgroup's rows: free the ring slot, keep the turns paired.
-                slot = lax.rem(kb - lo, stages)
-                plgpu.barrier_arrive(k_free.at[slot])
-                plgpu.barrier_arrive(v_free.at[slot])
-                take_turn()
-                take_turn()
+                    def pv(refs):
+                        plgpu.wgmma(refs[0], p16, v_smem.at[slot])
+                        nxt = kb + 1
 
-            carry = (acc, m, denom)
-            for start, end, masked in common.spans(lo, *unmasked, own_hi):
-                carry = lax.fori_loop(start, end, functools.partial(step, masked=masked), carry)
-            acc, m, denom = carry
-            lax.fori_loop(own_hi, hi, release, None)
-            pl.when(wg == 0)(take_turn)
+                        @pl.when(nxt < own_hi)
+                        def _():
+                            plgpu.barrier_wait(k_ready.at[ring(nxt)])
 
-            o = acc * lax.broadcast_in_dim(1.0 / denom, acc.shape, [0])
-            q_smem.at[wg][...] = o.astype(dtype)
-            lse_smem.at[wg][...] = m + jnp.log2(denom)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[b, own, h])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, own])
+                    (acc,) = common.accumulate(pv, (acc,))
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, m_new, denom
+
+                def release(kb, _):
+                    # Tiles past this warpgroup's rows: free the ring slot, keep the turns paired.
+                    slot = ring(kb)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    take_turn()
+                    take_turn()
+
+                carry = (acc, m, denom)
+                for start, end, masked in common.spans(lo, *unmasked, own_hi):
+                    carry = lax.fori_loop(start, end, functools.partial(step, masked=masked), carry)
+                acc, m, denom = carry
+                lax.fori_loop(own_hi, hi, release, None)
+                pl.when(wg == 0)(take_turn)
+
+                o = acc * lax.broadcast_in_dim(1.0 / denom, acc.shape, [0])
+                q_smem.at[buf][...] = o.astype(dtype)
+                lse_smem.at[wg][...] = m + jnp.log2(denom)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_smem.at[buf], o_ref.at[b, own, h])
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, own])
+                return before + hi - lo
+
+            load_rows(0)
+            lax.fori_loop(0, mine, item, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(common.MEMORY_REGISTERS, action="decrease")
             rings = ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free))
-            common.stream_key_tiles(rings, b, lax.div(h, group), lo, hi, bk, stages)
+
+            def item(n, before):
+                b, h, _, lo, hi = item_at(n)
+                common.stream_key_tiles(rings, b, lax.div(h, group), lo, hi, bk, stages, before)
+                return before + hi - lo
+
+            lax.fori_loop(0, mine, item, jnp.int32(0))
 
     scratch = [
         (
-            plgpu.SMEM((2, bq, d), dtype, transforms=tr),
+            plgpu.SMEM((4, bq, d), dtype, transforms=tr),
             plgpu.SMEM((stages, bk, d), dtype, transforms=tr),
             plgpu.SMEM((stages, bk, d), dtype, transforms=tr),
-            plgpu.SMEM((2, bq), jnp.int32),
+            plgpu.SMEM((4, bq), jnp.int32),
             plgpu.SMEM((2, bq), jnp.float32),
         ),
         (
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=4),
+            plgpu.Barrier(num_barriers=8),
         ),
         (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
         plgpu.Barrier(num_arrivals=2),
@@ -154,8 +195,6 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
         jax.ShapeDtypeStruct(q.shape, dtype),
         jax.ShapeDtypeStruct((b_, hq, t), jnp.float32),
     )
-    call = common.kernel_call(
-        body, out_type, (t // rows, b_, hq), ("q_blocks", "batch", "heads"), scratch
-    )
+    call = common.kernel_call(body, out_type, (work.ctas,), ("ctas",), scratch)
     args = (q, k, v) + ((first_key,) if vis.bounded else ())
     return call(*args)
