@@ -1,7 +1,11 @@
 """Test setup: 8 fake CPU devices, set before jax is imported anywhere (test modules import it at
-collection, after this hook). `pytest -m gpu tests/gpu` keeps the machine's GPU instead."""
+collection, after this hook), and a persistent compilation cache for the session's process and
+the training runs it starts, so that the many runs of the same tiny model compile each program
+once. `pytest -m gpu tests/gpu` keeps the machine's GPU instead."""
 
 import os
+import shutil
+import tempfile
 
 
 def gpu_run(config) -> bool:
@@ -17,3 +21,14 @@ def pytest_configure(config):
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # One cache per test process (each xdist worker's own: no two writers share a file).
+    config.jaxllmq_cache = tempfile.mkdtemp(prefix="jaxllmq-tests-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = config.jaxllmq_cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+
+def pytest_unconfigure(config):
+    cache = getattr(config, "jaxllmq_cache", None)
+    if cache:
+        shutil.rmtree(cache, ignore_errors=True)
