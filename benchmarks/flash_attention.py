@@ -11,6 +11,7 @@ batches of calls issued back to back. One JSON line per measurement.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -33,8 +34,8 @@ flags.DEFINE_bool("cudnn", True, "Time cuDNN's causal kernel too.")
 flags.DEFINE_multi_string(
     "blocks",
     [""],
-    "Tile settings to time, each as FlashBlocks fields (e.g. 'dkv_block_q=128,dq_stages=3'); "
-    "repeat the flag for several; empty: the defaults.",
+    "Tile settings to time, each as FlashBlocks fields changed from the head dim's defaults "
+    "(e.g. 'dkv_block_q=64,dq_stages=3'); repeat the flag for several; empty: the defaults.",
 )
 flags.DEFINE_bool("errors", True, "Also measure errors against a float32 reference.")
 flags.DEFINE_bool(
@@ -45,10 +46,12 @@ flags.DEFINE_bool(
 )
 
 
-def parse_blocks(spec: str) -> fa.FlashBlocks:
-    """FlashBlocks from 'field=value,...' (empty: the defaults)."""
+def parse_blocks(spec: str, head_dim: int) -> fa.FlashBlocks:
+    """The head dim's default tiles (what the model runs) with the fields of 'field=value,...'
+    changed (empty: the defaults)."""
     fields = dict(item.split("=") for item in spec.split(",") if item)
-    return fa.FlashBlocks(**{name: int(value) for name, value in fields.items()})
+    changes = {name: int(value) for name, value in fields.items()}
+    return dataclasses.replace(fa.default_blocks(head_dim), **changes)
 
 
 def _grad_fn(attend):
@@ -114,7 +117,7 @@ def measure(b: int, t: int, d: int) -> None:
         return lambda q, k, v: fa.flash_attention(q, k, v, scale=scale, blocks=blocks)
 
     for spec in FLAGS.blocks:
-        variants[f"mosaic {spec or 'default'}"] = (ours(parse_blocks(spec)), reference)
+        variants[f"mosaic {spec or 'default'}"] = (ours(parse_blocks(spec, d)), reference)
     if FLAGS.documents:
         seg = jnp.asarray(bench.document_segment_ids(b, t))
         fk, _ = fa.key_bounds(t, seg, None, b)
