@@ -1,12 +1,13 @@
 """benchmarks/run.py, the GPU runner, on CPU: its recipes, how it reads a run's output, its table,
-and its command line (--dry_run runs nothing)."""
+and its command line (--dry_run runs nothing); and which tiles the flash attention bench times."""
 
 import subprocess
 import sys
 
 import pytest
 
-from benchmarks import run
+from benchmarks import flash_attention, run
+from jaxllmq.kernels import flash_attention as fa
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 8])
@@ -109,3 +110,10 @@ def test_command_line():
     assert bad.stderr.strip().splitlines() == [
         "error: --recipes takes some of shapes, kernels, scaling, fp8, offload (got speed)"
     ]
+
+
+def test_the_flash_bench_times_the_tiles_the_model_runs():
+    """--blocks specs change the head dim's default tiles (what the model runs), so the bench's
+    default row at head dim 64 is the model's 128-row backward, not FlashBlocks' field defaults."""
+    assert flash_attention.parse_blocks("", 64) == fa.default_blocks(64) != fa.FlashBlocks()
+    assert flash_attention.parse_blocks("stages=3", 128) == fa.FlashBlocks(stages=3)
