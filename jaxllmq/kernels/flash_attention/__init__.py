@@ -4,10 +4,10 @@ The forward keeps a CTA's 2 x block_q query rows in shared memory, one block_q h
 warpgroup, while a memory warpgroup streams key and value tiles through a ring of `stages`
 TMA-filled buffers. It is persistent (one CTA per SM takes query blocks in turn, loading the
 next block's rows while it finishes the last), which made it 4-11% faster; the backward's
-kernels, a CTA per block, were not faster so. Each compute warpgroup issues wgmma for S = Q K^T, runs an online softmax in
-fp32 registers and issues wgmma for O += P V with P straight from registers; a barrier shared by
-the two compute warpgroups staggers them, so that one's softmax runs while the other's matmuls
-occupy the tensor cores. The backward recomputes P per tile from the forward's logsumexp: one
+kernels keep a CTA per block, as persistent they were no faster. Each compute warpgroup issues
+wgmma for S = Q K^T, runs an online softmax in fp32 registers and issues wgmma for O += P V
+with P straight from registers; a barrier shared by the two compute warpgroups staggers them,
+so that one's softmax runs while the other's matmuls occupy the tensor cores. The backward recomputes P per tile from the forward's logsumexp: one
 kernel accumulates dK and dV per key tile over the query tiles that see it (all query heads of
 its GQA group, so K and V are never repeated in memory), another dQ per query tile.
 
