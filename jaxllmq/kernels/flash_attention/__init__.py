@@ -7,9 +7,10 @@ next block's rows while it finishes the last), which made it 4-11% faster; the b
 kernels keep a CTA per block, as persistent they were no faster. Each compute warpgroup issues
 wgmma for S = Q K^T, runs an online softmax in fp32 registers and issues wgmma for O += P V
 with P straight from registers; a barrier shared by the two compute warpgroups staggers them,
-so that one's softmax runs while the other's matmuls occupy the tensor cores. The backward recomputes P per tile from the forward's logsumexp: one
-kernel accumulates dK and dV per key tile over the query tiles that see it (all query heads of
-its GQA group, so K and V are never repeated in memory), another dQ per query tile.
+so that one's softmax runs while the other's matmuls occupy the tensor cores. The backward
+recomputes P per tile from the forward's logsumexp: one kernel accumulates dK and dV per key
+tile over the query tiles that see it (all query heads of its GQA group, so K and V are never
+repeated in memory), another dQ per query tile.
 
 Which keys a query sees is causal, and optionally bounded below by its document's start and its
 sliding window: the first key of row r is first_key[r] = max(document start, r - window + 1),
