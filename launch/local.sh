@@ -11,7 +11,9 @@ port=${JAXLLMQ_PORT:-$((20000 + RANDOM % 20000))}
 pids=()
 for ((i = 0; i < n; i++)); do
   if [[ -n "${JAXLLMQ_CPU_DEVICES:-}" ]]; then
-    device_env=(JAX_PLATFORMS=cpu "XLA_FLAGS=--xla_force_host_platform_device_count=$JAXLLMQ_CPU_DEVICES")
+    # After the caller's XLA flags, which it keeps: the last count given wins.
+    device_env=(JAX_PLATFORMS=cpu
+      "XLA_FLAGS=${XLA_FLAGS:-} --xla_force_host_platform_device_count=$JAXLLMQ_CPU_DEVICES")
   else
     device_env=("CUDA_VISIBLE_DEVICES=$i")
   fi
