@@ -260,3 +260,16 @@ def test_the_persistent_forward_takes_every_item_once_and_evens_out_the_work(ran
     assert sorted(items[items >= 0].tolist()) == list(range(work.count))
     load = np.asarray(lengths).sum(axis=1)
     assert load.max() <= load.mean() + ranks
+
+
+@pytest.mark.parametrize(("ranks", "pairs", "section"), [(16, 64, 16), (16, 64, 0), (5, 7, 3)])
+def test_the_section_order_takes_every_block_once_section_by_section(ranks, pairs, section):
+    """Each (rank, pair) comes once; the CTAs of a section all start before the next section's,
+    and inside a section ranks go in order (the longest first) over the section's pairs."""
+    index = jnp.arange(ranks * pairs)
+    rank, pair = (np.asarray(x) for x in common.section_order(index, ranks, pairs, section))
+    assert sorted((rank * pairs + pair).tolist()) == list(range(ranks * pairs))
+    size = section or pairs
+    assert (np.diff(pair // size) >= 0).all()
+    for s in range(-(-pairs // size)):
+        assert (np.diff(rank[pair // size == s]) >= 0).all()

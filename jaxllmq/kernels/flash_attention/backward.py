@@ -31,15 +31,18 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     dtype = q.dtype
     c2 = scale * common.LOG2E
     tr = common.TILE_TRANSFORMS
+    section = blocks.dkv_section
+    if section is None:
+        section = max(1, common.DKV_SECTION_BYTES // (2 * group * t * d * q.dtype.itemsize))
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         rest = list(rest)
         lr_ref = rest.pop(0) if vis.bounded else None
         dk_ref, dv_ref, smem, ready, free, kv_ready = rest
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, lr_smem = smem
-        b = lax.axis_index("batch")
-        kv_head = lax.axis_index("heads")
-        first_key = lax.axis_index("kv_blocks") * keys
+        rank, pair = common.section_order(lax.axis_index("ctas"), t // keys, b_ * hkv, section)
+        b, kv_head = lax.div(pair, hkv), lax.rem(pair, hkv)
+        first_key = rank * keys
         wg = lax.axis_index("wg")
         lo = lax.div(first_key, bq)  # causal: no earlier row sees these keys
         if vis.bounded:
@@ -170,9 +173,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
         plgpu.Barrier(num_barriers=6),
     ]
     out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
-    grid = (t // keys, b_, hkv)  # the last axis varies fastest at launch
-    names = ("kv_blocks", "batch", "heads")
-    call = common.kernel_call(body, out_type, grid, names, scratch)
+    call = common.kernel_call(body, out_type, (t // keys * b_ * hkv,), ("ctas",), scratch)
     args = (q, k, v, do, lse, delta) + ((last_row,) if vis.bounded else ())
     return call(*args)
 
@@ -198,9 +199,9 @@ def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):
             scoped
         )
         k_ready, v_ready = ready
-        b = lax.axis_index("batch")
-        h = lax.axis_index("heads")
-        first_row = common.longest_first("q_blocks", t // rows) * rows
+        rank, pair = common.section_order(lax.axis_index("ctas"), t // rows, b_ * hq, 0)
+        b, h = lax.div(pair, hq), lax.rem(pair, hq)
+        first_row = (t // rows - 1 - rank) * rows
         wg = lax.axis_index("wg")
         hi = lax.div(first_row + rows + bk - 1, bk)
         lo = lax.div(fk_ref[b, first_row], bk) if vis.bounded else jnp.int32(0)
@@ -301,8 +302,8 @@ def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):
     call = common.kernel_call(
         body,
         jax.ShapeDtypeStruct(q.shape, dtype),
-        (t // rows, b_, hq),
-        ("q_blocks", "batch", "heads"),
+        (t // rows * b_ * hq,),
+        ("ctas",),
         scratch,
     )
     args = (q, k, v, do, lse, delta) + ((first_key,) if vis.bounded else ())

@@ -18,6 +18,8 @@ COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 # Running maxima start here, not at -inf, so a row with no visible key in a tile stays finite.
 NO_MAX = -1e30
 HEAD_DIMS = (64, 128)
+# The query and dO bytes of a dK/dV section: well inside an H200's 50 MB of L2.
+DKV_SECTION_BYTES = 32 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +35,10 @@ class FlashBlocks:
     dq_block_q: int = 64  # dQ: query rows per compute warpgroup (a CTA takes two)
     dq_block_kv: int = 64  # dQ: keys per step
     dq_stages: int = 2
+    # dK/dV's CTAs run section by section of (batch, key head) pairs, so that those running at
+    # once share their pairs' query tiles in L2: pairs per section (0: all in one; None: as many
+    # as DKV_SECTION_BYTES of queries and dO hold).
+    dkv_section: int | None = None
 
 
 def default_blocks(head_dim: int) -> FlashBlocks:
@@ -155,11 +161,17 @@ def kernel_call(body, out_type, grid, grid_names, scratch):
     )
 
 
-def longest_first(axis: str, blocks: int):
-    """The query block a CTA takes along `axis` of `blocks`, the last (which see the most keys)
-    first: CTAs start in grid order, and the longest starting last would leave the GPU idle
-    while they finish."""
-    return blocks - 1 - lax.axis_index(axis)
+def section_order(index, ranks: int, pairs: int, section: int):
+    """(rank, pair) of the index-th CTA of a 1D grid of ranks x pairs (CTAs start in index
+    order): the pairs cut into sections of `section` (0: all), run one section after the other,
+    and inside a section rank by rank (rank 0, the longest, first), every pair of the section
+    at each rank."""
+    section = section or pairs
+    per_section = section * ranks
+    first_pair = lax.div(index, per_section) * section
+    size = lax.min(section, pairs - first_pair)  # the last section may be short
+    within = lax.rem(index, per_section)
+    return lax.div(within, size), first_pair + lax.rem(within, size)
 
 
 def stream_key_tiles(rings, b, kv_head, lo, hi, bk, stages, before=0):
