@@ -84,8 +84,9 @@ def test_refuses_what_it_does_not_take_in_one_line():
         (256, 64, False, None, fa.FlashBlocks()),
         (256, 128, True, 100, fa.FlashBlocks()),
         (200, 64, True, None, fa.FlashBlocks(stages=3, dkv_block_q=128, dq_block_kv=128)),
+        (256, 128, True, 100, fa.FlashBlocks(dkv_overlap=True)),
     ],
-    ids=["causal-64", "bounded-128", "padded-documents-wide-tiles-64"],
+    ids=["causal-64", "bounded-128", "padded-documents-wide-tiles-64", "dkv-overlap-128"],
 )
 def test_forward_and_backward_lower_to_mosaic_gpu(t, d, documents, window, blocks):
     b, hq, hkv = 1, 4, 2

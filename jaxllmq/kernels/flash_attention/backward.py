@@ -74,41 +74,61 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                 for barrier in ready:
                     plgpu.barrier_wait(barrier.at[slot])
 
-                def st(acc_ref):
-                    plgpu.wgmma(
-                        acc_ref, k_smem.at[wg], plgpu.transpose_ref(q_smem.at[slot], (1, 0))
-                    )
-                    return acc_ref[...]
-
-                s_t = pl.run_scoped(st, plgpu.ACC((bk, bq), jnp.float32)) * c2
                 lse_c = lax.broadcast_in_dim(common.col(lse_smem.at[slot]), (bk, bq), [1])
-                p_t = jnp.exp2(s_t - lse_c)
-                if masked:
-                    j = common.iota((bk, bq), 0) + key0
-                    r = common.iota((bk, bq), 1) + qb * bq
-                    ok = j <= r
-                    if vis.bounded:
-                        ok = ok & (
-                            r <= lax.broadcast_in_dim(common.row(lr_smem.at[wg]), (bk, bq), [0])
-                        )
-                    p_t = jnp.where(ok, p_t, 0.0)
-                p16 = p_t.astype(dtype)
+                q_t = plgpu.transpose_ref(q_smem.at[slot], (1, 0))
+                do_t = plgpu.transpose_ref(do_smem.at[slot], (1, 0))
 
-                def dv_dp(refs):
-                    dv_ref, dp_ref = refs
-                    plgpu.wgmma(dv_ref, p16, do_smem.at[slot])
-                    plgpu.wgmma(
-                        dp_ref, v_smem.at[wg], plgpu.transpose_ref(do_smem.at[slot], (1, 0))
-                    )
+                def probabilities(s_t):
+                    p_t = jnp.exp2(s_t * c2 - lse_c)
+                    if masked:
+                        j = common.iota((bk, bq), 0) + key0
+                        r = common.iota((bk, bq), 1) + qb * bq
+                        ok = j <= r
+                        if vis.bounded:
+                            last = common.row(lr_smem.at[wg])
+                            ok = ok & (r <= lax.broadcast_in_dim(last, (bk, bq), [0]))
+                        p_t = jnp.where(ok, p_t, 0.0)
+                    return p_t
 
-                dv, dp_t = common.accumulate(dv_dp, (dv, common.zeros((bk, bq))))
-                delta_c = lax.broadcast_in_dim(common.col(delta_smem.at[slot]), (bk, bq), [1])
-                ds16 = (p_t * (dp_t - delta_c)).astype(dtype)
+                def d_scores(p_t, dp_t):
+                    delta_c = lax.broadcast_in_dim(common.col(delta_smem.at[slot]), (bk, bq), [1])
+                    return (p_t * (dp_t - delta_c)).astype(dtype)
 
-                def dk_step(refs):
-                    plgpu.wgmma(refs[0], ds16, q_smem.at[slot])
+                if blocks.dkv_overlap:
+                    # S^T and dP^T in one wait; dS^T's arithmetic runs under dV's product.
+                    def st_dpt(refs):
+                        plgpu.wgmma(refs[0], k_smem.at[wg], q_t)
+                        plgpu.wgmma(refs[1], v_smem.at[wg], do_t)
 
-                (dk,) = common.accumulate(dk_step, (dk,))
+                    s_t, dp_t = common.accumulate(st_dpt, (common.zeros((bk, bq)),) * 2)
+                    p_t = probabilities(s_t)
+                    p16 = p_t.astype(dtype)
+
+                    def dv_dk(refs):
+                        plgpu.wgmma(refs[0], p16, do_smem.at[slot])
+                        plgpu.wgmma(refs[1], d_scores(p_t, dp_t), q_smem.at[slot])
+
+                    dv, dk = common.accumulate(dv_dk, (dv, dk))
+                else:
+
+                    def st(acc_ref):
+                        plgpu.wgmma(acc_ref, k_smem.at[wg], q_t)
+                        return acc_ref[...]
+
+                    p_t = probabilities(pl.run_scoped(st, plgpu.ACC((bk, bq), jnp.float32)))
+                    p16 = p_t.astype(dtype)
+
+                    def dv_dp(refs):
+                        plgpu.wgmma(refs[0], p16, do_smem.at[slot])
+                        plgpu.wgmma(refs[1], v_smem.at[wg], do_t)
+
+                    dv, dp_t = common.accumulate(dv_dp, (dv, common.zeros((bk, bq))))
+                    ds16 = d_scores(p_t, dp_t)
+
+                    def dk_step(refs):
+                        plgpu.wgmma(refs[0], ds16, q_smem.at[slot])
+
+                    (dk,) = common.accumulate(dk_step, (dk,))
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv
 

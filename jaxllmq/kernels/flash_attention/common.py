@@ -39,6 +39,9 @@ class FlashBlocks:
     # once share their pairs' query tiles in L2: pairs per section (0: all in one; None: as many
     # as DKV_SECTION_BYTES of queries and dO hold).
     dkv_section: int | None = None
+    # dK/dV: S^T and dP^T issued together, dS^T's arithmetic under dV's product (two waits a
+    # step, not three; both score tiles live at once).
+    dkv_overlap: bool = False
 
 
 def default_blocks(head_dim: int) -> FlashBlocks:
