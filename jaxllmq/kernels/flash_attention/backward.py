@@ -74,12 +74,13 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                 for barrier in ready:
                     plgpu.barrier_wait(barrier.at[slot])
 
-                lse_c = lax.broadcast_in_dim(common.col(lse_smem.at[slot]), (bk, bq), [1])
                 q_t = plgpu.transpose_ref(q_smem.at[slot], (1, 0))
                 do_t = plgpu.transpose_ref(do_smem.at[slot], (1, 0))
 
                 def probabilities(s_t):
-                    p_t = jnp.exp2(s_t * c2 - lse_c)
+                    s_t = s_t * c2
+                    lse_c = lax.broadcast_in_dim(common.col(lse_smem.at[slot]), (bk, bq), [1])
+                    p_t = jnp.exp2(s_t - lse_c)
                     if masked:
                         j = common.iota((bk, bq), 0) + key0
                         r = common.iota((bk, bq), 1) + qb * bq
