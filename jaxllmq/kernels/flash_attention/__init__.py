@@ -140,8 +140,11 @@ def _flash_bwd(scale, vis, blocks, res, do):
     do = do.astype(q.dtype)
     delta = backward.row_delta(o, do)
     kw = dict(scale=scale, vis=vis, blocks=blocks)
-    dk, dv = _backward_dkv(q, k, v, do, lse, delta, last_row, **kw)
-    dq = _backward_dq(q, k, v, do, lse, delta, first_key, **kw)
+    if blocks.dq_in_dkv:
+        dk, dv, dq = _backward_dkv(q, k, v, do, lse, delta, last_row, **kw)
+    else:
+        dk, dv = _backward_dkv(q, k, v, do, lse, delta, last_row, **kw)
+        dq = _backward_dq(q, k, v, do, lse, delta, first_key, **kw)
     none = lambda x: None if x is None else jnp.zeros_like(x)  # noqa: E731 (int inputs)
     return dq, dk, dv, none(first_key), none(last_row)
 

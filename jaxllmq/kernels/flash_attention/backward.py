@@ -12,6 +12,10 @@ from jax import lax
 
 from jaxllmq.kernels.flash_attention import common
 
+# Shared-memory transforms of fp32 [rows, D] tiles (128-byte swizzled rows of 32 elements), so that
+# stores from wgmma accumulators hit every bank once.
+F32_TILE = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+
 
 def row_delta(o, do):
     """delta [B, Hq, T] fp32: each query row's sum of o * dO, which both backward kernels take
@@ -20,9 +24,19 @@ def row_delta(o, do):
 
 
 def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
-    """(dK, dV) [B, T, Hkv, D]: a CTA per 2 x dkv_block_kv keys of a key head, over the query
-    tiles of every query head of its group that see them. The CTAs of the first keys, which
-    the most queries see, start first."""
+    """(dK, dV) [B, T, Hkv, D], and with blocks.dq_in_dkv dQ [B, T, Hq, D] too: a CTA per
+    2 x dkv_block_kv keys of a key head, over the query tiles of every query head of its group
+    that see them. The CTAs of the first keys, which the most queries see, start first.
+
+    dQ in dK/dV: each step both warpgroups put their dS^T in shared memory (a buffer per step
+    parity) and arrive; the warpgroup whose turn it is (the step's parity) waits for both,
+    multiplies the step's dS over both key tiles by K and adds the fp32 product into dQ / scale
+    by TMA's reduce-add, while the other goes on. Before it writes a parity's buffer again, the
+    other waits until the turn's product has read it; both meet once at the end, before dK and
+    dV overwrite the key tiles."""
+    fused = blocks.dq_in_dkv
+    if fused and blocks.dkv_overlap:
+        raise ValueError("FlashBlocks: dq_in_dkv and dkv_overlap do not go together")
     b_, t, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv
@@ -38,8 +52,9 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         rest = list(rest)
         lr_ref = rest.pop(0) if vis.bounded else None
-        dk_ref, dv_ref, smem, ready, free, kv_ready = rest
-        k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, lr_smem = smem
+        dq_ref = rest.pop(0) if fused else None
+        dk_ref, dv_ref, smem, ready, free, kv_ready, turns = rest
+        k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, lr_smem, ds_smem, dq_smem = smem
         rank, pair = common.section_order(lax.axis_index("ctas"), t // keys, b_ * hkv, section)
         b, kv_head = lax.div(pair, hkv), lax.rem(pair, hkv)
         first_key = rank * keys
@@ -68,7 +83,41 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
             )
             zeros = common.zeros((bk, d))
 
-            def step(i, carry, qb, masked):
+            def share_ds(i, ds16):
+                met, consumed, _ = turns
+                parity = lax.rem(i, 2)
+
+                @pl.when((i >= 2) & (wg != parity))
+                def _():
+                    plgpu.barrier_wait(consumed.at[parity])  # step i - 2's product read it
+
+                ds_smem.at[parity, wg][...] = ds16
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(met.at[parity])
+
+            def add_dq(i, g, qb):
+                met, consumed, _ = turns
+                parity = lax.rem(i, 2)
+
+                @pl.when(wg == parity)
+                def _():
+                    plgpu.barrier_wait(met.at[parity])
+
+                    def product(acc_ref):
+                        for half in range(2):
+                            ds = plgpu.transpose_ref(ds_smem.at[parity, half], (1, 0))
+                            plgpu.wgmma(acc_ref, ds, k_smem.at[half])
+                        return acc_ref[...]
+
+                    part = pl.run_scoped(product, plgpu.ACC((bq, d), jnp.float32))
+                    plgpu.barrier_arrive(consumed.at[parity])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # its last add has read it
+                    dq_smem.at[wg][...] = part
+                    plgpu.commit_smem()
+                    dst = dq_ref.at[b, pl.ds(qb * bq, bq), kv_head * group + g]
+                    plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op="add")
+
+            def step(i, carry, g, qb, masked):
                 dk, dv = carry
                 slot = lax.rem(i, stages)
                 for barrier in ready:
@@ -125,28 +174,35 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
 
                     dv, dp_t = common.accumulate(dv_dp, (dv, common.zeros((bk, bq))))
                     ds16 = d_scores(p_t, dp_t)
+                    if fused:
+                        share_ds(i, ds16)
 
                     def dk_step(refs):
                         plgpu.wgmma(refs[0], ds16, q_smem.at[slot])
 
                     (dk,) = common.accumulate(dk_step, (dk,))
                 plgpu.barrier_arrive(free.at[slot])
+                if fused:
+                    add_dq(i, g, qb)
                 return dk, dv
 
             def head(g, carry):
                 base = g * per_head - lo
 
                 def masked(qb, c):
-                    return step(base + qb, c, qb, True)
+                    return step(base + qb, c, g, qb, True)
 
                 def plain(qb, c):
-                    return step(base + qb, c, qb, False)
+                    return step(base + qb, c, g, qb, False)
 
                 for start, end, mask in common.spans(lo, unmasked_from, unmasked_to, hi):
                     carry = lax.fori_loop(start, end, masked if mask else plain, carry)
                 return carry
 
             dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+            if fused:  # the other's last dQ product has read both key tiles
+                plgpu.barrier_arrive(turns[2])
+                plgpu.barrier_wait(turns[2])
             k_smem.at[wg][...] = (dk * scale).astype(dtype)
             v_smem.at[wg][...] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -188,15 +244,29 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((2, bk), jnp.int32),
+            plgpu.SMEM((2, 2, bk, bq), dtype, transforms=tr) if fused else None,
+            plgpu.SMEM((2, bq, d), jnp.float32, transforms=F32_TILE) if fused else None,
         ),
         tuple(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_barriers=6),
+        (
+            plgpu.Barrier(num_arrivals=2, num_barriers=2),  # both dS^T of a parity are in
+            plgpu.Barrier(num_barriers=2),  # the turn's product has read its parity's dS^T
+            plgpu.Barrier(num_arrivals=2),  # both are done with the key tiles
+        )
+        if fused
+        else None,
     ]
     out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
-    call = common.kernel_call(body, out_type, (t // keys * b_ * hkv,), ("ctas",), scratch)
+    grid = (t // keys * b_ * hkv,)
+    call = common.kernel_call(body, out_type, grid, ("ctas",), scratch, with_refs=fused)
     args = (q, k, v, do, lse, delta) + ((last_row,) if vis.bounded else ())
-    return call(*args)
+    if not fused:
+        return call(*args)
+    dq_sum = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+    dk, dv = call(*args, dq_sum)
+    return dk, dv, (dq_sum[...] * scale).astype(dtype)
 
 
 def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):

@@ -42,6 +42,9 @@ class FlashBlocks:
     # dK/dV: S^T and dP^T issued together, dS^T's arithmetic under dV's product (two waits a
     # step, not three; both score tiles live at once).
     dkv_overlap: bool = False
+    # dQ added up by the dK/dV kernel (fp32, by TMA's reduce-add; not bit-identical from run to
+    # run) instead of dQ's own kernel recomputing S and dP.
+    dq_in_dkv: bool = False
 
 
 def default_blocks(head_dim: int) -> FlashBlocks:
@@ -143,25 +146,26 @@ class Work:
         return lax.div(item, per_rank), lax.div(rest, self.heads), lax.rem(rest, self.heads)
 
 
-def kernel_call(body, out_type, grid, grid_names, scratch):
+def kernel_call(body, out_type, grid, grid_names, scratch, with_refs=False):
     """A kernel of two compute warpgroups and a memory one; the grid's last axis varies fastest
-    as CTAs start."""
+    as CTAs start. with_refs: the last operands are jax Refs, written in place (pl.kernel
+    aliases them; plgpu.kernel's wrapper takes none)."""
 
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, *scoped), *scratch, collective_axes="wg")
 
-    return plgpu.kernel(
-        entry,
+    options = dict(
         out_type=out_type,
-        grid=grid,
-        grid_names=grid_names,
-        num_threads=3,
-        thread_name="wg",
         # Lane semantics named: newer jax lowers to warpgroup semantics by default.
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane
         ),
     )
+    threads = dict(num_threads=3, thread_name="wg")
+    if with_refs:
+        mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, **threads)
+        return pl.kernel(entry, mesh=mesh, **options)
+    return plgpu.kernel(entry, grid=grid, grid_names=grid_names, **threads, **options)
 
 
 def section_order(index, ranks: int, pairs: int, section: int):
