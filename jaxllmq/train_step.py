@@ -293,6 +293,7 @@ def build(
         fuse_qkv_grads=plan.fuse_qkv_grads,
         documents_per_window=plan.documents_per_window,
         attention_mesh=per_device(plan.attention_per_device),
+        deterministic_attention=spec.deterministic,
     )
     _, abstract, axes = abstract_model(model_cfg, **model_kwargs)
     layer_compute = on_mesh(plan.layer_compute_specs)

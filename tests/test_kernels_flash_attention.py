@@ -86,6 +86,8 @@ def test_refuses_what_it_does_not_take_in_one_line():
         (200, 64, True, None, fa.FlashBlocks(stages=3, dkv_block_q=128, dq_block_kv=128)),
         (256, 128, True, 100, fa.FlashBlocks(dkv_overlap=True)),
         (256, 64, True, 100, fa.FlashBlocks(dq_in_dkv=True)),
+        (256, 64, True, 100, fa.FlashBlocks(dq_in_dkv=True, dkv_overlap=True)),
+        (256, 128, False, None, fa.FlashBlocks(dq_in_dkv=True)),
     ],
     ids=[
         "causal-64",
@@ -93,6 +95,8 @@ def test_refuses_what_it_does_not_take_in_one_line():
         "padded-documents-wide-tiles-64",
         "dkv-overlap-128",
         "bounded-dq-in-dkv-64",
+        "bounded-dq-in-dkv-overlap-64",
+        "dq-in-dkv-128",
     ],
 )
 def test_forward_and_backward_lower_to_mosaic_gpu(t, d, documents, window, blocks):
@@ -120,9 +124,12 @@ def test_forward_and_backward_lower_to_mosaic_gpu(t, d, documents, window, block
     assert len(re.findall(r"custom_call @mosaic_gpu", module)) == kernels
 
 
-def _lowered_gradient(cfg, rows: int, scan_layers: bool, mesh=None) -> export.Exported:
+def _lowered_gradient(
+    cfg, rows: int, scan_layers: bool, mesh=None, deterministic=False
+) -> export.Exported:
     """The gradient of a bf16 model with our attention over documents (192 tokens a row),
-    lowered for GPUs; `mesh`: the attention per device of it."""
+    lowered for GPUs; `mesh`: the attention per device of it; `deterministic`: the model's
+    deterministic_attention."""
     model = Llama(
         cfg,
         rngs=nnx.Rngs(0),
@@ -131,6 +138,7 @@ def _lowered_gradient(cfg, rows: int, scan_layers: bool, mesh=None) -> export.Ex
         attention="mosaic",
         scan_layers=scan_layers,
         attention_mesh=mesh,
+        deterministic_attention=deterministic,
     )
     graphdef, params = nnx.split(model)
     tokens = jax.ShapeDtypeStruct((rows, 192), jnp.int32)
@@ -146,23 +154,29 @@ def _mosaic_calls(exported: export.Exported) -> list[str]:
     return [ln for ln in exported.mlir_module().splitlines() if "custom_call @mosaic_gpu" in ln]
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("scan_layers", [True, False])
-def test_a_model_with_mosaic_attention_over_documents_lowers_each_kernel_once(scan_layers):
+def test_a_model_with_mosaic_attention_over_documents_lowers_each_kernel_once(
+    scan_layers, deterministic
+):
     cfg = dataclasses.replace(preset("tiny"), num_hidden_layers=2, vocab_size=256, head_dim=64)
-    # forward, dK/dV and dQ, each once: a scan lowers one layer's body, and unrolled layers
-    # call one function per kernel rather than building each kernel again.
-    assert len(_mosaic_calls(_lowered_gradient(cfg, 2, scan_layers))) == 3
+    # The forward and dK/dV (which adds dQ up at head dim 64), and deterministic dQ's own
+    # kernel, each once: a scan lowers one layer's body, and unrolled layers call one function
+    # per kernel rather than building each kernel again.
+    exported = _lowered_gradient(cfg, 2, scan_layers, deterministic=deterministic)
+    assert len(_mosaic_calls(exported)) == (3 if deterministic else 2)
 
 
 def test_the_kernel_lowers_per_device_inside_shard_map():
-    """On 8 devices (data 2, fsdp 2, tensor 2) each of the three Mosaic GPU calls takes one
-    device's share: q [2 rows, T padded to 256, 2 heads, 64] of [8, 192, 4, 64]."""
+    """On 8 devices (data 2, fsdp 2, tensor 2) each of the Mosaic GPU calls (forward, dK/dV and
+    deterministic dQ) takes one device's share: q [2 rows, T padded to 256, 2 heads, 64] of
+    [8, 192, 4, 64]."""
     cfg = dataclasses.replace(
         preset("tiny"), num_hidden_layers=2, vocab_size=256, head_dim=64,
         num_attention_heads=4, num_key_value_heads=2,
     )  # fmt: skip
     mesh = make_mesh(tensor_parallel=2, data_parallel=2)
-    exported = _lowered_gradient(cfg, 8, scan_layers=False, mesh=mesh)
+    exported = _lowered_gradient(cfg, 8, scan_layers=False, mesh=mesh, deterministic=True)
     calls = _mosaic_calls(exported)
     assert exported.nr_devices == 8 and len(calls) == 3
     assert all(" : (tensor<2x256x2x64xbf16>, tensor<2x256x1x64xbf16>" in ln for ln in calls)

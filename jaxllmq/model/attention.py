@@ -88,15 +88,16 @@ def attend_documents(
     window: int | jax.Array | None = None,
     scale: float | None = None,
     mesh: Mesh | None = None,
+    deterministic: bool = False,
 ) -> jax.Array:
     """Causal GQA attention within each document: by XLA's mask, cuDNN's packed layout or our
-    kernel (per device of `mesh`, if given); each query also within its sliding `window` if one
-    is given (an int, or under XLA a traced scalar), the logits scaled by `scale` (default
-    1/sqrt(H))."""
+    kernel (per device of `mesh`, if given; `deterministic` as attend's); each query also
+    within its sliding `window` if one is given (an int, or under XLA a traced scalar), the
+    logits scaled by `scale` (default 1/sqrt(H))."""
     T, H = q_BxTxNxH.shape[1], q_BxTxNxH.shape[-1]
     if documents.segment_ids_BxT is not None:
         seg = documents.segment_ids_BxT
-        return _mosaic(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, seg, window, scale, mesh)
+        return _mosaic(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, seg, window, scale, mesh, deterministic)
     if documents.mask_Bx1xTxT is not None:
         mask = documents.mask_Bx1xTxT
         if window is not None:
@@ -122,7 +123,7 @@ def attend_documents(
     )
 
 
-def _mosaic(q, k, v, segment_ids, window, scale, mesh):
+def _mosaic(q, k, v, segment_ids, window, scale, mesh, deterministic):
     """Our flash attention, on each device's rows and heads under shard_map where `mesh` is
     given (a Pallas call has no partitioning rule): the batch split over the batch axes, the
     heads over the tensor axis, which keeps each query head with its key/value head, as
@@ -133,7 +134,13 @@ def _mosaic(q, k, v, segment_ids, window, scale, mesh):
 
     def run(q, k, v, segment_ids=None):
         return flash_attention.flash_attention(
-            q, k, v, scale=scale, segment_ids_BxT=segment_ids, window=window
+            q,
+            k,
+            v,
+            scale=scale,
+            segment_ids_BxT=segment_ids,
+            window=window,
+            deterministic=deterministic,
         )
 
     args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
@@ -187,6 +194,7 @@ def attend(
     window: int | jax.Array | None = None,
     scale: float | None = None,
     mesh: Mesh | None = None,
+    deterministic: bool = False,
 ) -> tuple[jax.Array, KVCache | None]:
     """Causal GQA attention (K kv heads serve N/K query heads each; cuDNN's fused kernel on GPU),
     and the cache, if any, holding these tokens' keys and values too.
@@ -196,18 +204,28 @@ def attend(
     (transformers' sliding window); an int, or a traced scalar (a scan over layers of several
     windows; llama.ALL_KEYS: no window) that only XLA's attention takes, as a mask. `scale`: the
     logits' (default 1/sqrt(H)). `mesh`: our flash attention ("mosaic") runs per device of it
-    (None: one call over the whole batch). With one layer's cache the queries are at positions
-    cache.length.., and each reads the cached keys up to its own position."""
+    (None: one call over the whole batch), and with `deterministic` its gradients are
+    bit-identical from run to run (at head dim 64 a little slower). With one layer's cache the
+    queries are at positions cache.length.., and each reads the cached keys up to its own
+    position."""
     traced = window is not None and not isinstance(window, int)
     if traced and implementation != "xla":
         raise ValueError(f"a per-layer window needs XLA's attention, not {implementation!r}")
     if implementation == "mosaic" and cache is None and documents is None:
-        return _mosaic(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, None, window, scale, mesh), None
+        o = _mosaic(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, None, window, scale, mesh, deterministic)
+        return o, None
     if implementation == "mosaic":  # a KV cache's attention (generation): cuDNN's
         implementation = "cudnn"
     if documents is not None:
         o_BxTxNxH = attend_documents(
-            q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, documents, window=window, scale=scale, mesh=mesh
+            q_BxTxNxH,
+            k_BxTxKxH,
+            v_BxTxKxH,
+            documents,
+            window=window,
+            scale=scale,
+            mesh=mesh,
+            deterministic=deterministic,
         )
         return o_BxTxNxH, cache
     if cache is None:

@@ -107,11 +107,12 @@ def decoder_layer(
     documents: Documents | None = None,
     window: int | jax.Array | None = None,
     attention_mesh: Mesh | None = None,
+    deterministic_attention: bool = False,
 ) -> tuple[jax.Array, KVCache | None]:
     """One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)) (Gemma's: each sublayer's
     output normed too, before the add). Params cast to `dtype` here. Returns the block's output
     and `cache` (one layer's, for decoding) with these tokens added. `window`, and
-    `attention_mesh` as its `mesh`: attend's.
+    `attention_mesh` as its `mesh` and `deterministic_attention` as its `deterministic`: attend's.
 
     `linear(x, w, name)` is the q/k/v/o/gate/up/down matmul: `@` in `dtype`, or fp8
     (model/fp8.py, model/fp8_delayed.py, which needs the weight's name for its scales).
@@ -161,6 +162,7 @@ def decoder_layer(
         window=window,
         scale=cfg.query_pre_attn_scalar**-0.5 if cfg.is_gemma else None,
         mesh=attention_mesh,
+        deterministic=deterministic_attention,
     )
     o_BxTxNxH = checkpoint_name(o_BxTxNxH, ATT)
     o_BxTxD = linear(o_BxTxNxH.reshape(B, T, N * H), w["o_proj"], "o_proj")
@@ -214,6 +216,7 @@ class Llama(nnx.Module):
         fuse_qkv_grads: bool = False,
         documents_per_window: int | None = None,
         attention_mesh: Mesh | None = None,
+        deterministic_attention: bool = False,
     ):
         self.cfg = cfg
         self.dtype = dtype
@@ -234,6 +237,8 @@ class Llama(nnx.Module):
         self.documents_per_window = documents_per_window
         # The mesh that jaxllmq's flash attention runs on per device (attend's `mesh`), or None.
         self.attention_mesh = attention_mesh
+        # Attention gradients bit-identical from run to run (--deterministic; attend's).
+        self.deterministic_attention = deterministic_attention
         self.norm_impl = norm_impl  # RMSNorm: "xla" or "pallas" (kernels.resolve_impl)
         self.recompute = recompute or Recompute()
         # Sharding hooks (parallel/): `constrain` pins the activations' sharding at block
@@ -335,6 +340,7 @@ class Llama(nnx.Module):
                 documents=documents,
                 window=window,
                 attention_mesh=self.attention_mesh,
+                deterministic_attention=self.deterministic_attention,
             )
             return self.constrain(x), cache
 

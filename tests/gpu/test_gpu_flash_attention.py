@@ -1,9 +1,10 @@
 """The Mosaic GPU flash attention on the GPU: forward and backward against the float32 reference
 within twice cuDNN's own error at the same shape, causal, over packed documents and with a
-sliding window, at head dims 64 and 128 (and at 64 with the dK/dV kernel's opt-in orders: its
-overlapped step, and dQ added up in it); the same gradients on each of several calls (a race
-between warpgroups shows as a call that differs); and the same results through the model's
-per-device path (shard_map) as from the plain call."""
+sliding window, at head dims 64 and 128, by default (dQ added up in the dK/dV kernel at 64) and
+deterministic, and with the dK/dV kernel's other orders; the same gradients on each of several
+deterministic calls (a race between warpgroups shows as a call that differs); and the same
+results through the model's per-device path (shard_map) as from the plain call
+(deterministic: bit for bit)."""
 
 import dataclasses
 
@@ -40,10 +41,19 @@ def _outputs(attend, q, k, v, do):
     [
         (64, None),
         (128, None),
-        (64, dataclasses.replace(fa.default_blocks(64), dkv_overlap=True)),
-        (64, fa.FlashBlocks(dq_in_dkv=True)),
+        (64, fa.default_blocks(64, deterministic=True)),
+        (64, dataclasses.replace(fa.default_blocks(64, deterministic=True), dkv_overlap=True)),
+        (64, fa.FlashBlocks(dq_in_dkv=True, dkv_overlap=True)),
+        (128, fa.FlashBlocks(dq_in_dkv=True)),
     ],
-    ids=["64", "128", "64-dkv-overlap", "64-dq-in-dkv"],
+    ids=[
+        "64",
+        "128",
+        "64-deterministic",
+        "64-dkv-overlap",
+        "64-dq-in-dkv-overlap",
+        "128-dq-in-dkv",
+    ],
 )
 @pytest.mark.parametrize("visibility", ["causal", "documents", "window"])
 def test_matches_the_reference_as_closely_as_cudnn(head_dim, blocks, visibility):
@@ -82,7 +92,7 @@ def test_matches_the_reference_as_closely_as_cudnn(head_dim, blocks, visibility)
         err = float(jnp.max(jnp.abs(g.astype(jnp.float32) - w)))
         cudnn_err = float(jnp.max(jnp.abs(c.astype(jnp.float32) - cr)))
         assert err <= 2 * cudnn_err, f"{name}: {err} against cuDNN's {cudnn_err}"
-    if blocks is not None and blocks.dq_in_dkv:
+    if (blocks or fa.default_blocks(head_dim)).dq_in_dkv:
         return  # dQ's adds land in whatever order the CTAs reach them
     again = [ours(q, k, v, do) for _ in range(5)]
     for call in again:
@@ -92,14 +102,22 @@ def test_matches_the_reference_as_closely_as_cudnn(head_dim, blocks, visibility)
 
 def test_the_model_path_under_shard_map_gives_the_plain_calls_results():
     """On several devices the model calls the kernel per device under shard_map; a mesh of this
-    one GPU runs that path, whose output and gradients must be the plain call's, bit for bit."""
+    one GPU runs that path, whose output and gradients must be the plain call's, bit for bit
+    (deterministic)."""
     q, k, v, do = _inputs(64)
     documents = attention.documents_for("mosaic", jnp.asarray(bench.document_segment_ids(B, T)), 32)
 
     def run(mesh):
         def attend(q, k, v):
             o, _ = attention.attend(
-                q, k, v, None, implementation="mosaic", documents=documents, mesh=mesh
+                q,
+                k,
+                v,
+                None,
+                implementation="mosaic",
+                documents=documents,
+                mesh=mesh,
+                deterministic=True,
             )
             return o
 

@@ -10,7 +10,10 @@ with P straight from registers; a barrier shared by the two compute warpgroups s
 so that one's softmax runs while the other's matmuls occupy the tensor cores. The backward
 recomputes P per tile from the forward's logsumexp: one kernel accumulates dK and dV per key
 tile over the query tiles that see it (all query heads of its GQA group, so K and V are never
-repeated in memory), another dQ per query tile.
+repeated in memory), another dQ per query tile. At head dim 64 the dK/dV kernel adds dQ up
+too (FlashBlocks.dq_in_dkv: five matmuls a tile, not seven), by fp32 reduce-adds whose order,
+and so whose rounding, varies from run to run; `deterministic` calls keep dQ's own kernel,
+which writes each tile once.
 
 Which keys a query sees is causal, and optionally bounded below by its document's start and its
 sliding window: the first key of row r is first_key[r] = max(document start, r - window + 1),
@@ -161,17 +164,19 @@ def flash_attention(
     segment_ids_BxT: jax.Array | None = None,
     window: int | None = None,
     blocks: FlashBlocks | None = None,
+    deterministic: bool = False,
 ) -> jax.Array:
     """Causal attention [B, T, Hq, D] of q over k, v [B, T, Hkv, D] (Hq a multiple of Hkv),
     within each document of `segment_ids_BxT` and a sliding `window`, where `fits` says so.
     A T that is not a multiple of the tiles is padded at the end (causal attention keeps the
     padding out of every real query's keys) and the output cut back. `blocks`: the tiles
-    (default_blocks for the head dim when None)."""
+    (default_blocks for the head dim and `deterministic` when None; `deterministic`: the
+    gradients bit-identical from run to run)."""
     b, t, hq, d = q_BxTxNxH.shape
     why = fits(d, hq, k_BxTxKxH.shape[2], q_BxTxNxH.dtype)
     if why:
         raise ValueError(f"flash attention: the kernel does not take {why}")
-    blocks = blocks or default_blocks(d)
+    blocks = blocks or default_blocks(d, deterministic)
     pad = -t % _tile_multiple(blocks)
     q, k, v, seg = q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT
     if pad:

@@ -15,6 +15,9 @@ from jaxllmq.kernels.flash_attention import common
 # Shared-memory transforms of fp32 [rows, D] tiles (128-byte swizzled rows of 32 elements), so that
 # stores from wgmma accumulators hit every bank once.
 F32_TILE = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+# dQ's columns a product of the dK/dV kernel takes at once (dq_in_dkv): at head dim 128 a whole
+# row's fp32 partial would not fit the registers and shared memory left.
+DQ_COLS = 64
 
 
 def row_delta(o, do):
@@ -35,8 +38,6 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     other waits until the turn's product has read it; both meet once at the end, before dK and
     dV overwrite the key tiles."""
     fused = blocks.dq_in_dkv
-    if fused and blocks.dkv_overlap:
-        raise ValueError("FlashBlocks: dq_in_dkv and dkv_overlap do not go together")
     b_, t, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv
@@ -103,19 +104,23 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                 def _():
                     plgpu.barrier_wait(met.at[parity])
 
-                    def product(acc_ref):
-                        for half in range(2):
-                            ds = plgpu.transpose_ref(ds_smem.at[parity, half], (1, 0))
-                            plgpu.wgmma(acc_ref, ds, k_smem.at[half])
-                        return acc_ref[...]
+                    for c in range(d // DQ_COLS):  # by column chunks: registers, shared memory
+                        cols = pl.ds(c * DQ_COLS, DQ_COLS)
 
-                    part = pl.run_scoped(product, plgpu.ACC((bq, d), jnp.float32))
-                    plgpu.barrier_arrive(consumed.at[parity])
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # its last add has read it
-                    dq_smem.at[wg][...] = part
-                    plgpu.commit_smem()
-                    dst = dq_ref.at[b, pl.ds(qb * bq, bq), kv_head * group + g]
-                    plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op="add")
+                        def product(acc_ref, cols=cols):
+                            for half in range(2):
+                                ds = plgpu.transpose_ref(ds_smem.at[parity, half], (1, 0))
+                                plgpu.wgmma(acc_ref, ds, k_smem.at[half, :, cols])
+                            return acc_ref[...]
+
+                        part = pl.run_scoped(product, plgpu.ACC((bq, DQ_COLS), jnp.float32))
+                        if c == d // DQ_COLS - 1:
+                            plgpu.barrier_arrive(consumed.at[parity])
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add read it
+                        dq_smem.at[wg][...] = part
+                        plgpu.commit_smem()
+                        dst = dq_ref.at[b, pl.ds(qb * bq, bq), kv_head * group + g, cols]
+                        plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op="add")
 
             def step(i, carry, g, qb, masked):
                 dk, dv = carry
@@ -156,7 +161,10 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
 
                     def dv_dk(refs):
                         plgpu.wgmma(refs[0], p16, do_smem.at[slot])
-                        plgpu.wgmma(refs[1], d_scores(p_t, dp_t), q_smem.at[slot])
+                        ds16 = d_scores(p_t, dp_t)
+                        plgpu.wgmma(refs[1], ds16, q_smem.at[slot])
+                        if fused:  # under dK's product
+                            share_ds(i, ds16)
 
                     dv, dk = common.accumulate(dv_dk, (dv, dk))
                 else:
@@ -174,11 +182,11 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
 
                     dv, dp_t = common.accumulate(dv_dp, (dv, common.zeros((bk, bq))))
                     ds16 = d_scores(p_t, dp_t)
-                    if fused:
-                        share_ds(i, ds16)
 
                     def dk_step(refs):
                         plgpu.wgmma(refs[0], ds16, q_smem.at[slot])
+                        if fused:  # under dK's product
+                            share_ds(i, ds16)
 
                     (dk,) = common.accumulate(dk_step, (dk,))
                 plgpu.barrier_arrive(free.at[slot])
@@ -245,7 +253,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((2, bk), jnp.int32),
             plgpu.SMEM((2, 2, bk, bq), dtype, transforms=tr) if fused else None,
-            plgpu.SMEM((2, bq, d), jnp.float32, transforms=F32_TILE) if fused else None,
+            plgpu.SMEM((2, bq, DQ_COLS), jnp.float32, transforms=F32_TILE) if fused else None,
         ),
         tuple(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
