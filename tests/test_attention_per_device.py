@@ -39,10 +39,11 @@ def test_the_plan_runs_mosaic_attention_per_device_on_several(mesh, per_device):
 
 
 def _reference_kernel(shares: list):
-    """The kernel's pure-JAX stand-in: records the shapes each call sees."""
+    """The kernel's pure-JAX stand-in: records the shapes each call sees, and whether it was
+    asked for deterministic gradients."""
 
-    def run(q, k, v, *, scale, segment_ids_BxT=None, window=None):
-        shares.append((q.shape, k.shape))
+    def run(q, k, v, *, scale, segment_ids_BxT=None, window=None, deterministic=False):
+        shares.append((q.shape, k.shape, deterministic))
         first_key = None
         if segment_ids_BxT is not None or window is not None:
             first_key, _ = fa.key_bounds(q.shape[1], segment_ids_BxT, window, q.shape[0])
@@ -53,7 +54,12 @@ def _reference_kernel(shares: list):
 
 def _loss_and_grads(attention, mesh, tokens, segments):
     model = Llama(
-        CFG, rngs=nnx.Rngs(0), attention=attention, attention_mesh=mesh, scan_layers=False
+        CFG,
+        rngs=nnx.Rngs(0),
+        attention=attention,
+        attention_mesh=mesh,
+        scan_layers=False,
+        deterministic_attention=True,
     )
     graphdef, params = nnx.split(model)
 
@@ -74,8 +80,9 @@ def test_the_model_runs_it_per_device_as_one_call_would(monkeypatch, documents):
     segments = segments if documents else None
     loss, grads = _loss_and_grads("mosaic", mesh, tokens, segments)
     want_loss, want_grads = _loss_and_grads("xla", None, tokens, segments)
-    # Each call took one device's rows (8 over data x fsdp = 4) and heads (over tensor = 2).
-    assert shares and set(shares) == {((2, T, 2, 64), (2, T, 1, 64))}
+    # Each call took one device's rows (8 over data x fsdp = 4) and heads (over tensor = 2), and
+    # the model's deterministic_attention.
+    assert shares and set(shares) == {((2, T, 2, 64), (2, T, 1, 64), True)}
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)

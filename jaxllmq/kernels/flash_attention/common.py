@@ -49,13 +49,15 @@ class FlashBlocks:
 
 def default_blocks(head_dim: int, deterministic: bool = False) -> FlashBlocks:
     """The tiles for a head dim, as measured on an H200 (causal, 8 x 2048 to 2 x 8192, 32 query
-    and 8 key heads). At head dim 64, dQ added up in the dK/dV kernel (dq_in_dkv, 64-row steps),
+    and 8 key heads). At head dim 64, dQ added up in the dK/dV kernel, whose steps overlap
+    (dq_in_dkv, dkv_overlap, 64-row steps: forward + backward 4-6% faster than dQ's own kernel),
     unless `deterministic`: then dQ's own kernel, with dK/dV steps of 128 query rows and dQ steps
-    of 128 keys (alone each 2-3% faster than 64, together 5% faster forward + backward at each
-    shape). At 128 those spill registers (1.3-1.4x slower), so 64. Three forward stages or
-    192-key forward tiles were no faster at 64 and do not fit shared memory at 128."""
+    of 128 keys (alone each 2-3% faster than 64, together 5% faster at each shape). At head dim
+    128 those spill registers (1.3-1.4x slower), so 64, and dQ in the dK/dV kernel was 1.3x
+    slower. Three forward stages or 192-key forward tiles were no faster at 64 and do not fit
+    shared memory at 128."""
     if head_dim == 64 and not deterministic:
-        return FlashBlocks(dq_in_dkv=True)
+        return FlashBlocks(dq_in_dkv=True, dkv_overlap=True)
     if head_dim == 64:
         return FlashBlocks(dkv_block_q=128, dq_block_kv=128)
     return FlashBlocks()
