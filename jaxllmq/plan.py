@@ -163,6 +163,17 @@ def _mosaic_attention_refusal(model_cfg, dtype, platform, hopper) -> str | None:
     return f"--attention=mosaic: the kernel does not take {why}" if why else None
 
 
+def _mosaic_attention_faster(model_cfg, devices: int, documents: bool) -> bool:
+    """Whether jaxllmq's flash attention, where it can run, was measured faster than cuDNN's for
+    this model's attention: on one GPU, over packed documents, or causal at the head dims where
+    its kernel is (on several GPUs it runs per device, not yet timed there)."""
+    from jaxllmq.kernels import flash_attention  # Mosaic GPU's Pallas: where it can run only
+
+    return devices == 1 and (
+        documents or model_cfg.head_dim in flash_attention.CAUSAL_FASTER_HEAD_DIMS
+    )
+
+
 def make_plan(
     model_cfg: ModelConfig,
     spec: ModelSpec,
@@ -224,9 +235,8 @@ def make_plan(
         deterministic=spec.deterministic,
         per_layer_windows=per_layer_windows,
         mosaic=mosaic_refusal is None,
-        # Measured faster on one GPU; on several it runs per device, not yet timed there, so
-        # auto keeps cuDNN's segments (under --deterministic the other choice is XLA's, slower).
-        documents=documents_per_window is not None and devices == 1,
+        mosaic_faster=mosaic_refusal is None
+        and _mosaic_attention_faster(model_cfg, devices, documents_per_window is not None),
     )
     mesh = AbstractMesh(tuple(shape.values()), MESH_AXES)
     _, abstract, axes = abstract_model(model_cfg, attention=attention)

@@ -211,8 +211,11 @@ def test_the_plan_runs_mosaic_attention_on_one_hopper_gpu():
     "cfg, hardware, devices, documents, deterministic, chosen",
     [
         ("llama-3.2-1b", H200, 1, 32, False, "mosaic"),  # documents on one Hopper GPU: ours
-        ("llama-3.2-1b", H200, 1, None, False, "cudnn"),  # causal alone: cuDNN's is faster
+        ("llama-3.2-1b", H200, 1, None, False, "mosaic"),  # causal at head dim 64: ours
+        ("qwen3-1.7b", H200, 1, None, False, "cudnn"),  # causal at head dim 128: cuDNN's
+        ("qwen3-1.7b", H200, 1, 32, False, "mosaic"),
         ("llama-3.2-1b", H200, 2, 32, False, "cudnn"),  # ours measured on one GPU only
+        ("llama-3.2-1b", H200, 2, None, False, "cudnn"),
         ("llama-3.2-1b", A100, 1, 32, False, "cudnn"),
         ("gemma-3-1b", H200, 1, 32, False, "cudnn"),  # head dim 256
         ("llama-3.2-1b", CPU, 1, 32, False, "xla"),
@@ -223,7 +226,7 @@ def test_the_plan_runs_mosaic_attention_on_one_hopper_gpu():
         ("gemma-3-1b", H200, 1, None, True, "xla"),
     ],
 )
-def test_auto_attention_runs_documents_and_deterministic_runs_in_mosaic_where_it_can(
+def test_auto_attention_runs_mosaic_where_it_was_measured_faster_or_for_determinism(
     cfg, hardware, devices, documents, deterministic, chosen
 ):
     spec = ModelSpec(model=cfg, from_scratch=True, matmul_dtype="bfloat16")

@@ -34,7 +34,7 @@ def _plan(cfg=TINY, spec=BF16, mesh=None, hardware=H200, zero_level=1, **spec_fi
     return make_plan(cfg, spec, mesh_shape=mesh or _mesh(), **hardware, zero_level=zero_level)
 
 
-def test_one_hopper_gpu_runs_the_fused_kernels_and_cudnn():
+def test_one_hopper_gpu_runs_the_fused_kernels_and_our_attention():
     plan = _plan(preset("llama-3.2-1b"))
     assert plan.kernels == {
         "rms_norm": "pallas",
@@ -42,7 +42,7 @@ def test_one_hopper_gpu_runs_the_fused_kernels_and_cudnn():
         "fp8_quantize": "pallas",
     }
     assert not plan.mosaic_fallback and not plan.loss_per_device
-    assert plan.attention == "cudnn" and plan.fuse_qkv_grads
+    assert plan.attention == "mosaic" and plan.fuse_qkv_grads  # head dim 64
     assert plan.gather_embed_below == 0  # one device: no reduction to save
     # Not a Hopper: the Triton kernel, as chosen (no fallback).
     assert _plan(hardware=A100).kernels["lm_head_loss"] == "pallas"

@@ -159,16 +159,18 @@ def resolve_attention(
     deterministic: bool = False,
     per_layer_windows: bool = False,
     mosaic: bool = False,
-    documents: bool = False,
+    mosaic_faster: bool = False,
 ) -> str:
     """'auto' -> cuDNN's fused attention on GPU (`platform`, default jax's backend) in bf16/fp16,
     XLA's otherwise, and XLA's with `per_layer_windows` (layers of several sliding windows
     scanned: that mask runs in XLA's attention only). Where jaxllmq's flash attention ("mosaic")
-    can run (`mosaic`: a Hopper GPU, its head dims) it takes packed `documents`: on an H200 its
-    forward + backward took 0.5-0.7x the time of cuDNN's 32 segments at the 1B's heads, with
-    no limit on documents a window and less memory. `deterministic` (XLA's deterministic ops):
+    can run (`mosaic`: a Hopper GPU, its head dims) and was measured faster (`mosaic_faster`:
+    packed documents, 0.5-0.7x the time of cuDNN's 32 segments at the 1B's heads, with no limit
+    on documents a window and less memory; causal attention at head dim 64, 1.02-1.15x) it
+    runs instead of cuDNN's. `deterministic` (XLA's deterministic ops):
     cuDNN's crashes under them and its backward's atomics round differently each run, while
-    ours writes every output from one place in a fixed order; ours where it can run, else
+    ours, asked for determinism, writes every output from one place in a fixed order; ours
+    where it can run, else
     XLA's (2-2.5x slower on the 1B step)."""
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
@@ -178,7 +180,7 @@ def resolve_attention(
     fused = on_gpu and not per_layer_windows and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
     if not fused:
         return "xla"
-    if mosaic and (documents or deterministic):
+    if mosaic and (mosaic_faster or deterministic):
         return "mosaic"
     return "xla" if deterministic else "cudnn"
 

@@ -40,6 +40,7 @@ from jax import lax
 
 from jaxllmq.kernels.flash_attention import backward, forward
 from jaxllmq.kernels.flash_attention.common import (
+    CAUSAL_FASTER_HEAD_DIMS,
     HEAD_DIMS,
     FlashBlocks,
     Visibility,
@@ -47,6 +48,7 @@ from jaxllmq.kernels.flash_attention.common import (
 )
 
 __all__ = [
+    "CAUSAL_FASTER_HEAD_DIMS",
     "HEAD_DIMS",
     "FlashBlocks",
     "default_blocks",
