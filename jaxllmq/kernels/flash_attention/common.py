@@ -57,13 +57,14 @@ def default_blocks(head_dim: int, deterministic: bool = False) -> FlashBlocks:
     unless `deterministic`: then dQ's own kernel, with dK/dV steps of 128 query rows and dQ steps
     of 128 keys (alone each 2-3% faster than 64, together 5% faster at each shape). At head dim
     128 those spill registers (1.3-1.4x slower), so 64, and dQ in the dK/dV kernel was 1.3x
-    slower. Three forward stages or 192-key forward tiles were no faster at 64 and do not fit
-    shared memory at 128."""
+    slower; there dK/dV's CTAs run in one section (0.4-2% faster than sections of 32 MiB, which
+    are 1-3% faster at 64). Three forward stages or 192-key forward tiles were no faster at 64
+    and do not fit shared memory at 128."""
     if head_dim == 64 and not deterministic:
         return FlashBlocks(dq_in_dkv=True, dkv_overlap=True)
     if head_dim == 64:
         return FlashBlocks(dkv_block_q=128, dq_block_kv=128)
-    return FlashBlocks()
+    return FlashBlocks(dkv_section=0)
 
 
 @dataclasses.dataclass(frozen=True)
