@@ -1,6 +1,7 @@
 """benchmarks/run.py, the GPU runner, on CPU: its recipes, how it reads a run's output, its table,
 and its command line (--dry_run runs nothing); and which tiles the flash attention bench times."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -114,6 +115,8 @@ def test_command_line():
 
 def test_the_flash_bench_times_the_tiles_the_model_runs():
     """--blocks specs change the head dim's default tiles (what the model runs), so the bench's
-    default row at head dim 64 is the model's 128-row backward, not FlashBlocks' field defaults."""
+    default row at head dim 64 is the model's fused backward, not FlashBlocks' field defaults."""
     assert flash_attention.parse_blocks("", 64) == fa.default_blocks(64) != fa.FlashBlocks()
-    assert flash_attention.parse_blocks("stages=3", 128) == fa.FlashBlocks(stages=3)
+    assert fa.default_blocks(64).dq_in_dkv
+    want = dataclasses.replace(fa.default_blocks(128), stages=3)
+    assert flash_attention.parse_blocks("stages=3", 128) == want != fa.FlashBlocks(stages=3)

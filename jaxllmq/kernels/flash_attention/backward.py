@@ -29,7 +29,8 @@ def row_delta(o, do):
 def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     """(dK, dV) [B, T, Hkv, D], and with blocks.dq_in_dkv dQ [B, T, Hq, D] too: a CTA per
     2 x dkv_block_kv keys of a key head, over the query tiles of every query head of its group
-    that see them. The CTAs of the first keys, which the most queries see, start first.
+    that see them. The CTAs go section by section of (batch, key head) pairs (dkv_section), and
+    within a section those of the first keys, which the most queries see, start first.
 
     dQ in dK/dV: each step both warpgroups put their dS^T in shared memory (a buffer per step
     parity) and arrive; the warpgroup whose turn it is (the step's parity) waits for both,

@@ -18,7 +18,7 @@ COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 # Running maxima start here, not at -inf, so a row with no visible key in a tile stays finite.
 NO_MAX = -1e30
 HEAD_DIMS = (64, 128)
-# Where causal forward + backward runs faster than cuDNN's on an H200 (1.02-1.15x at head dim 64,
+# Where causal forward + backward runs faster than cuDNN's on an H200 (1.02-1.16x at head dim 64,
 # 8 x 2048 to 2 x 8192; at 128 cuDNN's is as fast or faster).
 CAUSAL_FASTER_HEAD_DIMS = (64,)
 # The query and dO bytes of a dK/dV section: well inside an H200's 50 MB of L2.
@@ -53,7 +53,7 @@ class FlashBlocks:
 def default_blocks(head_dim: int, deterministic: bool = False) -> FlashBlocks:
     """The tiles for a head dim, as measured on an H200 (causal, 8 x 2048 to 2 x 8192, 32 query
     and 8 key heads). At head dim 64, dQ added up in the dK/dV kernel, whose steps overlap
-    (dq_in_dkv, dkv_overlap, 64-row steps: forward + backward 4-6% faster than dQ's own kernel),
+    (dq_in_dkv, dkv_overlap, 64-row steps: forward + backward 5-7% faster than dQ's own kernel),
     unless `deterministic`: then dQ's own kernel, with dK/dV steps of 128 query rows and dQ steps
     of 128 keys (alone each 2-3% faster than 64, together 5% faster at each shape). At head dim
     128 those spill registers (1.3-1.4x slower), so 64, and dQ in the dK/dV kernel was 1.3x
