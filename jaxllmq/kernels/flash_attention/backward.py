@@ -269,7 +269,8 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     ]
     out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
     grid = (t // keys * b_ * hkv,)
-    call = common.kernel_call(body, out_type, grid, ("ctas",), scratch, with_refs=fused)
+    name = "flash_attention_dkv_dq" if fused else "flash_attention_dkv"
+    call = common.kernel_call(name, body, out_type, grid, ("ctas",), scratch, with_refs=fused)
     args = (q, k, v, do, lse, delta) + ((last_row,) if vis.bounded else ())
     if not fused:
         return call(*args)
@@ -400,6 +401,7 @@ def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):
         plgpu.Barrier(num_barriers=10),
     ]
     call = common.kernel_call(
+        "flash_attention_dq",
         body,
         jax.ShapeDtypeStruct(q.shape, dtype),
         (t // rows * b_ * hq,),

@@ -155,13 +155,16 @@ class Work:
         return lax.div(item, per_rank), lax.div(rest, self.heads), lax.rem(rest, self.heads)
 
 
-def kernel_call(body, out_type, grid, grid_names, scratch, with_refs=False):
+def kernel_call(name, body, out_type, grid, grid_names, scratch, with_refs=False):
     """A kernel of two compute warpgroups and a memory one; the grid's last axis varies fastest
-    as CTAs start. with_refs: the last operands are jax Refs, written in place (pl.kernel
-    aliases them; plgpu.kernel's wrapper takes none)."""
+    as CTAs start. `name` names it in profiles (as name + "_mosaic_gpu_kernel"). with_refs: the
+    last operands are jax Refs, written in place (pl.kernel aliases them; plgpu.kernel's wrapper
+    takes none)."""
 
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, *scoped), *scratch, collective_axes="wg")
+
+    entry.__name__ = entry.__qualname__ = name
 
     options = dict(
         out_type=out_type,
@@ -173,7 +176,7 @@ def kernel_call(body, out_type, grid, grid_names, scratch, with_refs=False):
     threads = dict(num_threads=3, thread_name="wg")
     if with_refs:
         mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, **threads)
-        return pl.kernel(entry, mesh=mesh, **options)
+        return pl.kernel(entry, mesh=mesh, name=name, **options)
     return plgpu.kernel(entry, grid=grid, grid_names=grid_names, **threads, **options)
 
 

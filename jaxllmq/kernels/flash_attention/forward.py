@@ -195,6 +195,8 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
         jax.ShapeDtypeStruct(q.shape, dtype),
         jax.ShapeDtypeStruct((b_, hq, t), jnp.float32),
     )
-    call = common.kernel_call(body, out_type, (work.ctas,), ("ctas",), scratch)
+    call = common.kernel_call(
+        "flash_attention_forward", body, out_type, (work.ctas,), ("ctas",), scratch
+    )
     args = (q, k, v) + ((first_key,) if vis.bounded else ())
     return call(*args)
