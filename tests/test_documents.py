@@ -232,9 +232,10 @@ def test_the_sharded_steps_compute_each_document_alone(zero_level, tp):
 
 def test_the_plan_takes_documents_as_cudnn_segments_on_gpu_and_a_mask_elsewhere():
     spec = ModelSpec(model="tiny", from_scratch=True, matmul_dtype="bfloat16")
-    h200 = dict(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0")
+    # Not Hopper: there `auto` runs jaxllmq's flash attention over documents.
+    a100 = dict(platform="gpu", device_kind="NVIDIA A100-SXM4-80GB", compute_capability="8.0")
     mesh = {"data": 1, "fsdp": 1, "tensor": 1}
-    plan = make_plan(CFG, spec, mesh_shape=mesh, **h200, documents_per_window=32)
+    plan = make_plan(CFG, spec, mesh_shape=mesh, **a100, documents_per_window=32)
     assert plan.attention == "cudnn" and plan.to_record()["documents_per_window"] == 32
     assert "attention cudnn (documents as segments, up to 32 a window)" in plan.describe()
     plan = make_plan(CFG, spec, mesh_shape=mesh, platform="cpu", documents_per_window=16)

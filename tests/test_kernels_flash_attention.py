@@ -70,12 +70,19 @@ def test_reference_is_xla_attention_over_documents_and_a_window():
 
 def test_refuses_what_it_does_not_take_in_one_line():
     assert fa.fits(64, 8, 2, jnp.bfloat16) is None
-    assert fa.fits(80, 8, 2, jnp.bfloat16) == "head dim 80 (it takes 64 or 128)"
+    assert fa.fits(256, 8, 2, jnp.bfloat16) == "head dim 256 (it takes up to 128)"
     assert fa.fits(128, 8, 2, jnp.float32) == "float32 (it takes bfloat16 or float16)"
     assert fa.fits(64, 8, 3, jnp.bfloat16) == "8 query heads over 3 key heads"
-    with pytest.raises(ValueError, match="does not take head dim 96"):
-        x = jnp.zeros((1, 256, 2, 96), jnp.bfloat16)
+    with pytest.raises(ValueError, match="does not take head dim 256"):
+        x = jnp.zeros((1, 256, 2, 256), jnp.bfloat16)
         fa.flash_attention(x, x, x, scale=1.0)
+
+
+def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
+    got = {d: fa.kernel_head_dim(d) for d in (16, 64, 80, 96, 128, 192, 256)}
+    assert got == {16: 64, 64: 64, 80: 128, 96: 128, 128: 128, 192: None, 256: None}
+    for d in (16, 80, 96, 128):
+        assert fa.fits(d, 8, 2, jnp.bfloat16) is None
 
 
 @pytest.mark.parametrize(
@@ -88,6 +95,8 @@ def test_refuses_what_it_does_not_take_in_one_line():
         (256, 64, True, 100, fa.FlashBlocks(dq_in_dkv=True)),
         (256, 64, True, 100, fa.FlashBlocks(dq_in_dkv=True, dkv_overlap=True)),
         (256, 128, False, None, fa.FlashBlocks(dq_in_dkv=True)),
+        (200, 96, True, 100, None),
+        (256, 80, False, None, None),
     ],
     ids=[
         "causal-64",
@@ -97,9 +106,13 @@ def test_refuses_what_it_does_not_take_in_one_line():
         "bounded-dq-in-dkv-64",
         "bounded-dq-in-dkv-overlap-64",
         "dq-in-dkv-128",
+        "padded-bounded-96",
+        "80",
     ],
 )
 def test_forward_and_backward_lower_to_mosaic_gpu(t, d, documents, window, blocks):
+    """Every kernel lowers at every setting; head dims below 128 as the kernel's at 64 or 128,
+    their inputs padded with zero columns."""
     b, hq, hkv = 1, 4, 2
     q = jax.ShapeDtypeStruct((b, t, hq, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, t, hkv, d), jnp.bfloat16)
@@ -120,10 +133,11 @@ def test_forward_and_backward_lower_to_mosaic_gpu(t, d, documents, window, block
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     module = export.export(grads, platforms=["cuda"])(q, kv, kv, seg).mlir_module()
     # The forward and the backward's kernels (dK/dV, and dQ unless dK/dV adds it up).
-    kernels = 2 if blocks.dq_in_dkv else 3
+    kernels = 2 if (blocks or fa.default_blocks(fa.kernel_head_dim(d))).dq_in_dkv else 3
     assert len(re.findall(r"custom_call @mosaic_gpu", module)) == kernels
+    assert f"x{fa.kernel_head_dim(d)}xbf16" in module
     # Named for profiles (jax 0.10 names a kernel that writes a Ref in place after its wrapper).
-    names = ["forward"] + ([] if blocks.dq_in_dkv else ["dkv", "dq"])
+    names = ["forward"] + ([] if kernels == 2 else ["dkv", "dq"])
     for name in names:
         assert f"flash_attention_{name}_mosaic_gpu" in module
 
@@ -192,7 +206,7 @@ def test_the_kernel_lowers_per_device_inside_shard_map(deterministic):
     [
         ("llama-3.2-1b", CPU, (1, 1, 1), "runs on a Hopper GPU (H100, H200) only, not on cpu"),
         ("llama-3.2-1b", A100, (1, 1, 1), "only, not on this GPU"),
-        ("gemma-3-1b", H200, (1, 1, 1), "does not take head dim 256 (it takes 64 or 128)"),
+        ("gemma-3-1b", H200, (1, 1, 1), "does not take head dim 256 (it takes up to 128)"),
     ],
 )
 def test_the_plan_refuses_mosaic_attention_where_it_cannot_run(cfg, hardware, mesh, message):
@@ -238,6 +252,21 @@ def test_auto_attention_runs_mosaic_where_it_was_measured_faster_or_for_determin
     spec = dataclasses.replace(spec, scan_layers=False, deterministic=deterministic)
     mesh = {"data": devices, "fsdp": 1, "tensor": 1}
     plan = make_plan(preset(cfg), spec, mesh_shape=mesh, **hardware, documents_per_window=documents)
+    assert plan.attention == chosen
+
+
+@pytest.mark.parametrize(
+    "documents, deterministic, chosen",
+    [(32, False, "mosaic"), (None, False, "cudnn"), (None, True, "mosaic")],
+)
+def test_auto_attention_at_head_dim_96_runs_ours_padded_where_it_would_at_128(
+    documents, deterministic, chosen
+):
+    cfg = dataclasses.replace(preset("qwen3-1.7b"), head_dim=96)
+    spec = ModelSpec(model="qwen3-1.7b", from_scratch=True, matmul_dtype="bfloat16")
+    spec = dataclasses.replace(spec, scan_layers=False, deterministic=deterministic)
+    mesh = {"data": 1, "fsdp": 1, "tensor": 1}
+    plan = make_plan(cfg, spec, mesh_shape=mesh, **H200, documents_per_window=documents)
     assert plan.attention == chosen
 
 

@@ -66,7 +66,9 @@ def test_mosaic_falls_back_to_triton_where_its_tiles_do_not_fit(cfg, spec):
 
 def test_attention_is_xla_when_deterministic_on_cpu_and_in_fp32():
     assert _plan().attention == "cudnn"
-    assert _plan(spec=dataclasses.replace(BF16, deterministic=True)).attention == "xla"
+    deterministic = dataclasses.replace(BF16, deterministic=True)
+    assert _plan(spec=deterministic, hardware=CPU).attention == "xla"
+    assert _plan(spec=deterministic).attention == "mosaic"  # ours: head dim 32, padded to 64
     assert _plan(spec=dataclasses.replace(BF16, matmul_dtype="float32")).attention == "xla"
     assert _plan(hardware=CPU).attention == "xla"
     assert _plan(spec=dataclasses.replace(BF16, attention="cudnn")).attention == "cudnn"

@@ -3,9 +3,9 @@ recompute and ZeRO levels give the plain run's losses; `--deterministic` runs ar
 fp8 block linears stay within a loss band of bf16; the program holds the kernels the plan names;
 the benchmark's MFU is in a sane range.
 
-The comparisons compile with XLA's deterministic ops (and so, at the tiny preset's head dim of
-32, XLA's attention) so that two programs can be compared bit for bit: without them GPU runs
-differ from their first steps (atomics in the scatter-adds;
+The comparisons compile with XLA's deterministic ops (and so jaxllmq's flash attention, the
+tiny preset's head dim of 32 padded to 64) so that two programs can be compared bit for bit:
+without them GPU runs differ from their first steps (atomics in the scatter-adds;
 docs/experiments/2026-11-30-determinism.md).
 """
 
