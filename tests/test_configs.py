@@ -89,8 +89,8 @@ from jaxllmq.settings import ModelSpec
 flags.define(ModelSpec)
 flags.parse_argv(sys.argv)
 spec = flags.build(ModelSpec)
-hopper = dict(platform="gpu", compute_capability="9.0")  # where auto would pick cuDNN
-print(make_plan(preset("tiny"), spec, mesh_shape=dict(data=1, fsdp=1, tensor=1), **hopper).attention)
+ampere = dict(platform="gpu", compute_capability="8.0")  # where auto would pick cuDNN
+print(make_plan(preset("tiny"), spec, mesh_shape=dict(data=1, fsdp=1, tensor=1), **ampere).attention)
 """
 
 
