@@ -63,7 +63,7 @@ def test_grad_accumulation_matches_one_big_batch():
 
 
 def test_masked_tokens_contribute_nothing():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     batch = _batch(rng, 2, 2, 32, SMALL.vocab_size, mask_p=0.5)
     garbage = dict(batch)
     garbage["targets"] = np.where(
@@ -74,9 +74,11 @@ def test_masked_tokens_contribute_nothing():
     s2, m2 = step(state, garbage)
     assert float(m1["loss"]) == float(m2["loss"])
     assert _max_diff(s1.params, s2.params) == 0.0
-    # And they would have mattered had they been trained on.
-    s3, m3 = step(state, dict(garbage, loss_mask=np.ones_like(batch["loss_mask"])))
-    assert abs(float(m3["loss"]) - float(m1["loss"])) > 1e-4
+    # And they would have mattered had they been trained on. (Not by the loss: an untrained
+    # model's is about ln(vocab) whatever the targets, and an unseeded batch once left it within
+    # 6e-5; the update moves with the targets.)
+    s3, _ = step(state, dict(garbage, loss_mask=np.ones_like(batch["loss_mask"])))
+    assert _max_diff(s1.params, s3.params) > 1e-4
 
 
 def test_nonfinite_loss_is_skipped_and_counted(monkeypatch):
