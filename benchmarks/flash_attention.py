@@ -51,7 +51,7 @@ def parse_blocks(spec: str, head_dim: int) -> fa.FlashBlocks:
     changed (empty: the defaults)."""
     fields = dict(item.split("=") for item in spec.split(",") if item)
     changes = {name: int(value) for name, value in fields.items()}
-    return dataclasses.replace(fa.default_blocks(fa.kernel_head_dim(head_dim)), **changes)
+    return dataclasses.replace(fa.default_blocks(head_dim), **changes)
 
 
 def _grad_fn(attend):

@@ -83,6 +83,10 @@ def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
     assert got == {16: 64, 64: 64, 80: 128, 96: 128, 128: 128, 192: None, 256: None}
     for d in (16, 80, 96, 128):
         assert fa.fits(d, 8, 2, jnp.bfloat16) is None
+    # With the tiles of the head dim they run at.
+    for deterministic in (False, True):
+        assert fa.default_blocks(32, deterministic) == fa.default_blocks(64, deterministic)
+        assert fa.default_blocks(96, deterministic) == fa.default_blocks(128, deterministic)
 
 
 @pytest.mark.parametrize(
@@ -133,7 +137,7 @@ def test_forward_and_backward_lower_to_mosaic_gpu(t, d, documents, window, block
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     module = export.export(grads, platforms=["cuda"])(q, kv, kv, seg).mlir_module()
     # The forward and the backward's kernels (dK/dV, and dQ unless dK/dV adds it up).
-    kernels = 2 if (blocks or fa.default_blocks(fa.kernel_head_dim(d))).dq_in_dkv else 3
+    kernels = 2 if (blocks or fa.default_blocks(d)).dq_in_dkv else 3
     assert len(re.findall(r"custom_call @mosaic_gpu", module)) == kernels
     assert f"x{fa.kernel_head_dim(d)}xbf16" in module
     # Named for profiles (jax 0.10 names a kernel that writes a Ref in place after its wrapper).

@@ -49,6 +49,7 @@ from jaxllmq.kernels.flash_attention.common import (
     FlashBlocks,
     Visibility,
     default_blocks,
+    kernel_head_dim,
 )
 
 __all__ = [
@@ -62,12 +63,6 @@ __all__ = [
     "key_bounds",
     "reference_attention",
 ]
-
-
-def kernel_head_dim(head_dim: int) -> int | None:
-    """The head dim the kernels run a head dim at: the least of HEAD_DIMS that holds it (the
-    columns past head_dim zeros, which change no score, output or gradient), None above them."""
-    return next((d for d in HEAD_DIMS if d >= head_dim), None)
 
 
 def fits(head_dim: int, heads: int, kv_heads: int, dtype) -> str | None:
@@ -184,20 +179,20 @@ def flash_attention(
     A T that is not a multiple of the tiles is padded at the end (causal attention keeps the
     padding out of every real query's keys), a D below 64 or between 64 and 128 with zero
     columns (kernel_head_dim), and the output cut back. `blocks`: the tiles (default_blocks for
-    the kernel's head dim and `deterministic` when None; `deterministic`: the gradients
+    the head dim and `deterministic` when None; `deterministic`: the gradients
     bit-identical from run to run)."""
     b, t, hq, d = q_BxTxNxH.shape
     why = fits(d, hq, k_BxTxKxH.shape[2], q_BxTxNxH.dtype)
     if why:
         raise ValueError(f"flash attention: the kernel does not take {why}")
-    blocks = blocks or default_blocks(kernel_head_dim(d), deterministic)
+    blocks = blocks or default_blocks(d, deterministic)
     pad = -t % _tile_multiple(blocks)
     pad_d = kernel_head_dim(d) - d
     q, k, v, seg = q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT
     if pad or pad_d:
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, pad_d))) for x in (q, k, v))
-        if seg is not None:  # the padding a document of its own
-            seg = jnp.concatenate([seg, jnp.repeat(seg[:, -1:] + 1, pad, axis=1)], axis=1)
+    if pad and seg is not None:  # the padding a document of its own
+        seg = jnp.concatenate([seg, jnp.repeat(seg[:, -1:] + 1, pad, axis=1)], axis=1)
     vis = Visibility(window=window, documents=seg is not None)
     first_key = last_row = None
     if vis.bounded:

@@ -50,9 +50,15 @@ class FlashBlocks:
     dq_in_dkv: bool = False
 
 
+def kernel_head_dim(head_dim: int) -> int | None:
+    """The head dim the kernels run a head dim at: the least of HEAD_DIMS that holds it (the
+    columns past head_dim zeros, which change no score, output or gradient), None above them."""
+    return next((d for d in HEAD_DIMS if d >= head_dim), None)
+
+
 def default_blocks(head_dim: int, deterministic: bool = False) -> FlashBlocks:
-    """The tiles for a head dim, as measured on an H200 (causal, 8 x 2048 to 2 x 8192, 32 query
-    and 8 key heads). At head dim 64, dQ added up in the dK/dV kernel, whose steps overlap
+    """The tiles for a head dim (those of the kernel head dim it runs at), as measured on an H200
+    (causal, 8 x 2048 to 2 x 8192, 32 query and 8 key heads). At head dim 64, dQ added up in the dK/dV kernel, whose steps overlap
     (dq_in_dkv, dkv_overlap, 64-row steps: forward + backward 5-7% faster than dQ's own kernel),
     unless `deterministic`: then dQ's own kernel, with dK/dV steps of 128 query rows and dQ steps
     of 128 keys (alone each 2-3% faster than 64, together 5% faster at each shape). At head dim
@@ -60,9 +66,10 @@ def default_blocks(head_dim: int, deterministic: bool = False) -> FlashBlocks:
     slower; there dK/dV's CTAs run in one section (0.4-2% faster than sections of 32 MiB, which
     are 1-3% faster at 64). Three forward stages or 192-key forward tiles were no faster at 64
     and do not fit shared memory at 128."""
-    if head_dim == 64 and not deterministic:
+    at_64 = kernel_head_dim(head_dim) == 64
+    if at_64 and not deterministic:
         return FlashBlocks(dq_in_dkv=True, dkv_overlap=True)
-    if head_dim == 64:
+    if at_64:
         return FlashBlocks(dkv_block_q=128, dq_block_kv=128)
     return FlashBlocks(dkv_section=0)
 
