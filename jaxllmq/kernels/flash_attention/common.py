@@ -18,8 +18,8 @@ COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 # Running maxima start here, not at -inf, so a row with no visible key in a tile stays finite.
 NO_MAX = -1e30
 HEAD_DIMS = (64, 128)
-# Where causal forward + backward runs faster than cuDNN's on an H200 (1.02-1.16x at head dim 64,
-# 8 x 2048 to 2 x 8192; at 128 cuDNN's is as fast or faster).
+# Where causal forward + backward runs faster than cuDNN's on an H200 (1.07-1.20x at head dim 64,
+# 8 x 2048 to 2 x 8192; at 128 0.94-1.06x).
 CAUSAL_FASTER_HEAD_DIMS = (64,)
 # The query and dO bytes of a dK/dV section: well inside an H200's 50 MB of L2.
 DKV_SECTION_BYTES = 32 << 20
@@ -42,8 +42,8 @@ class FlashBlocks:
     # once share their pairs' query tiles in L2: pairs per section (0: all in one; None: as many
     # as DKV_SECTION_BYTES of queries and dO hold).
     dkv_section: int | None = None
-    # dK/dV: S^T and dP^T issued together, dS^T's arithmetic under dV's product (two waits a
-    # step, not three; both score tiles live at once).
+    # dK/dV: S^T and dP^T issued together, P^T's arithmetic under dP^T's product and dS^T's
+    # under dV's (two waits a step, not three; both score tiles live at once).
     dkv_overlap: bool = False
     # dQ added up by the dK/dV kernel (fp32, by TMA's reduce-add; not bit-identical from run to
     # run) instead of dQ's own kernel recomputing S and dP.
@@ -58,14 +58,14 @@ def kernel_head_dim(head_dim: int) -> int | None:
 
 def default_blocks(head_dim: int, deterministic: bool = False) -> FlashBlocks:
     """The tiles for a head dim (those of the kernel head dim it runs at), as measured on an H200
-    (causal, 8 x 2048 to 2 x 8192, 32 query and 8 key heads). At head dim 64, dQ added up in the dK/dV kernel, whose steps overlap
-    (dq_in_dkv, dkv_overlap, 64-row steps: forward + backward 5-7% faster than dQ's own kernel),
-    unless `deterministic`: then dQ's own kernel, with dK/dV steps of 128 query rows and dQ steps
-    of 128 keys (alone each 2-3% faster than 64, together 5% faster at each shape). At head dim
-    128 those spill registers (1.3-1.4x slower), so 64, and dQ in the dK/dV kernel was 1.3x
-    slower; there dK/dV's CTAs run in one section (0.4-2% faster than sections of 32 MiB, which
-    are 1-3% faster at 64). Three forward stages or 192-key forward tiles were no faster at 64
-    and do not fit shared memory at 128."""
+    (causal, 8 x 2048 to 2 x 8192, 32 query and 8 key heads). At head dim 64, dQ added up in the
+    dK/dV kernel, whose steps overlap (dq_in_dkv, dkv_overlap, 64-row steps: forward + backward
+    5-7% faster than dQ's own kernel), unless `deterministic`: then dQ's own kernel, with dK/dV
+    steps of 128 query rows and dQ steps of 128 keys (alone each 2-3% faster than 64, together
+    5% faster at each shape). At head dim 128 those spill registers (1.3-1.4x slower), so 64,
+    and dQ in the dK/dV kernel was 1.3x slower; there dK/dV's CTAs run in one section (0.4-2%
+    faster than sections of 32 MiB, which are 1-3% faster at 64). Three forward stages or
+    192-key forward tiles were no faster at 64 and do not fit shared memory at 128."""
     at_64 = kernel_head_dim(head_dim) == 64
     if at_64 and not deterministic:
         return FlashBlocks(dq_in_dkv=True, dkv_overlap=True)
