@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import jax
@@ -91,14 +92,23 @@ class Visibility:
 TILE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
+# jax 0.10's plgpu.load takes an index (here none: the whole ref); later versions deprecate it.
+_LOAD_INDEX_PARAM = inspect.signature(plgpu.load).parameters.get("idx")
+_LOAD_INDEX = (
+    ((),)
+    if _LOAD_INDEX_PARAM is not None and _LOAD_INDEX_PARAM.default is inspect.Parameter.empty
+    else ()
+)
+
+
 def row(ref):
     """A [rows] vector in shared memory, laid out along the rows of a wgmma accumulator."""
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+    return plgpu.load(ref, *_LOAD_INDEX, layout=plgpu.Layout.WGMMA.reduce(1))
 
 
 def col(ref):
     """A [cols] vector in shared memory, laid out along the columns of a wgmma accumulator."""
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+    return plgpu.load(ref, *_LOAD_INDEX, layout=plgpu.Layout.WGMMA.reduce(0))
 
 
 def iota(shape, dim):
