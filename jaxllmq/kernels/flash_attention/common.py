@@ -19,8 +19,8 @@ COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 # Running maxima start here, not at -inf, so a row with no visible key in a tile stays finite.
 NO_MAX = -1e30
 HEAD_DIMS = (64, 128)
-# Where causal forward + backward runs faster than cuDNN's on an H200 (1.07-1.20x at head dim 64,
-# 8 x 2048 to 2 x 8192; at 128 0.94-1.06x).
+# Where causal forward + backward runs faster than cuDNN's on an H200 (1.07-1.21x at head dim 64,
+# 8 x 2048 to 2 x 8192; at 128 0.97-1.08x, slower at the longest).
 CAUSAL_FASTER_HEAD_DIMS = (64,)
 # The query and dO bytes of a dK/dV section: well inside an H200's 50 MB of L2.
 DKV_SECTION_BYTES = 32 << 20
@@ -46,6 +46,9 @@ class FlashBlocks:
     # dK/dV: S^T and dP^T issued together, P^T's arithmetic under dP^T's product and dS^T's
     # under dV's (two waits a step, not three; both score tiles live at once).
     dkv_overlap: bool = False
+    # dK/dV: a step's four loads (query rows, dO, lse, delta) arrive on one barrier, so a compute
+    # warpgroup waits once a step, not four times.
+    dkv_one_ready: bool = True
     # dQ added up by the dK/dV kernel (fp32, by TMA's reduce-add; not bit-identical from run to
     # run) instead of dQ's own kernel recomputing S and dP.
     dq_in_dkv: bool = False
@@ -65,14 +68,16 @@ def default_blocks(head_dim: int, deterministic: bool = False) -> FlashBlocks:
     steps of 128 query rows and dQ steps of 128 keys (alone each 2-3% faster than 64, together
     5% faster at each shape). At head dim 128 those spill registers (1.3-1.4x slower), so 64,
     and dQ in the dK/dV kernel was 1.3x slower; there dK/dV's CTAs run in one section (0.4-2%
-    faster than sections of 32 MiB, which are 1-3% faster at 64). Three forward stages or
-    192-key forward tiles were no faster at 64 and do not fit shared memory at 128."""
+    faster than sections of 32 MiB, which are 1-3% faster at 64) and wait for a step's four
+    loads one by one (1.5-2% faster than on one barrier, which is 2.6-2.9% faster at 64). Three
+    forward stages or 192-key forward tiles were no faster at 64 and do not fit shared memory at
+    128."""
     at_64 = kernel_head_dim(head_dim) == 64
     if at_64 and not deterministic:
         return FlashBlocks(dq_in_dkv=True, dkv_overlap=True)
     if at_64:
         return FlashBlocks(dkv_block_q=128, dq_block_kv=128)
-    return FlashBlocks(dkv_section=0)
+    return FlashBlocks(dkv_section=0, dkv_one_ready=False)
 
 
 @dataclasses.dataclass(frozen=True)
