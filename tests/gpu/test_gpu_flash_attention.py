@@ -46,6 +46,7 @@ def _outputs(attend, q, k, v, do):
         (64, fa.FlashBlocks(dq_in_dkv=True, dkv_overlap=True)),
         (128, fa.FlashBlocks(dq_in_dkv=True)),
         (96, None),
+        (64, dataclasses.replace(fa.default_blocks(64, deterministic=True), block_kv=64)),
     ],
     ids=[
         "64",
@@ -55,6 +56,7 @@ def _outputs(attend, q, k, v, do):
         "64-dq-in-dkv-overlap",
         "128-dq-in-dkv",
         "96-padded",
+        "64-forward-64-key-tiles",
     ],
 )
 @pytest.mark.parametrize("visibility", ["causal", "documents", "window"])

@@ -32,12 +32,11 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     that see them. The CTAs go section by section of (batch, key head) pairs (dkv_section), and
     within a section those of the first keys, which the most queries see, start first.
 
-    dQ in dK/dV: each step both warpgroups put their dS^T in shared memory (a buffer per step
-    parity) and arrive; the warpgroup whose turn it is (the step's parity) waits for both,
-    multiplies the step's dS over both key tiles by K and adds the fp32 product into dQ / scale
-    by TMA's reduce-add, while the other goes on. Before it writes a parity's buffer again, the
-    other waits until the turn's product has read it; both meet once at the end, before dK and
-    dV overwrite the key tiles."""
+    dQ in dK/dV: each step both warpgroups put their dS^T in shared memory (a ring of
+    ds_buffers) and arrive; the warpgroup whose turn it is (the step's parity) waits for both,
+    multiplies the step's dS over both key tiles by K in one product and adds the fp32 result
+    into dQ / scale by TMA's reduce-add, while the other goes on. Both meet once at the end,
+    before dK and dV overwrite the key tiles."""
     fused = blocks.dq_in_dkv
     b_, t, hq, d = q.shape
     hkv = k.shape[2]
@@ -45,6 +44,11 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     bq, bk, stages = blocks.dkv_block_q, blocks.dkv_block_kv, blocks.dkv_stages
     ready_per_slot = 1 if blocks.dkv_one_ready else 4  # barriers a step's loads arrive on
     keys = 2 * bk
+    # dQ in dK/dV: dS^T in a ring of four buffers, so that no warpgroup waits to write one (the
+    # product of step i - 4 read it before either reached step i - 2's meeting), 3.4-4.5% faster
+    # forward + backward than two buffers and a wait. An even count: each buffer's barrier is
+    # waited by one warpgroup (a thread counts a barrier's phases by its own waits).
+    ds_buffers = 4
     dtype = q.dtype
     c2 = scale * common.LOG2E
     tr = common.TILE_TRANSFORMS
@@ -58,6 +62,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
         dq_ref = rest.pop(0) if fused else None
         dk_ref, dv_ref, smem, ready, free, kv_ready, turns = rest
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, lr_smem, ds_smem, dq_smem = smem
+        k_own = k_smem.at[pl.ds(lax.axis_index("wg") * bk, bk)]  # a compute warpgroup's keys
         rank, pair = common.section_order(lax.axis_index("ctas"), t // keys, b_ * hkv, section)
         b, kv_head = lax.div(pair, hkv), lax.rem(pair, hkv)
         first_key = rank * keys
@@ -74,7 +79,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
             plgpu.set_max_registers(common.COMPUTE_REGISTERS, action="increase")
             key0 = first_key + wg * bk
             own = pl.ds(key0, bk)
-            plgpu.copy_gmem_to_smem(k_ref.at[b, own, kv_head], k_smem.at[wg], kv_ready.at[wg])
+            plgpu.copy_gmem_to_smem(k_ref.at[b, own, kv_head], k_own, kv_ready.at[wg])
             plgpu.copy_gmem_to_smem(v_ref.at[b, own, kv_head], v_smem.at[wg], kv_ready.at[2 + wg])
             if vis.bounded:
                 plgpu.copy_gmem_to_smem(lr_ref.at[b, own], lr_smem.at[wg], kv_ready.at[4 + wg])
@@ -87,37 +92,29 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
             zeros = common.zeros((bk, d))
 
             def share_ds(i, ds16):
-                met, consumed, _ = turns
-                parity = lax.rem(i, 2)
-
-                @pl.when((i >= 2) & (wg != parity))
-                def _():
-                    plgpu.barrier_wait(consumed.at[parity])  # step i - 2's product read it
-
-                ds_smem.at[parity, wg][...] = ds16
+                met, _ = turns
+                buf = lax.rem(i, ds_buffers)
+                ds_smem.at[buf, pl.ds(wg * bk, bk)][...] = ds16
                 plgpu.commit_smem()
-                plgpu.barrier_arrive(met.at[parity])
+                plgpu.barrier_arrive(met.at[buf])
 
             def add_dq(i, g, qb):
-                met, consumed, _ = turns
-                parity = lax.rem(i, 2)
+                met, _ = turns
+                parity, buf = lax.rem(i, 2), lax.rem(i, ds_buffers)
 
                 @pl.when(wg == parity)
                 def _():
-                    plgpu.barrier_wait(met.at[parity])
+                    plgpu.barrier_wait(met.at[buf])
 
                     for c in range(d // DQ_COLS):  # by column chunks: registers, shared memory
                         cols = pl.ds(c * DQ_COLS, DQ_COLS)
 
-                        def product(acc_ref, cols=cols):
-                            for half in range(2):
-                                ds = plgpu.transpose_ref(ds_smem.at[parity, half], (1, 0))
-                                plgpu.wgmma(acc_ref, ds, k_smem.at[half, :, cols])
+                        def product(acc_ref, cols=cols):  # over both key tiles at once
+                            ds = plgpu.transpose_ref(ds_smem.at[buf], (1, 0))
+                            plgpu.wgmma(acc_ref, ds, k_smem.at[:, cols])
                             return acc_ref[...]
 
                         part = pl.run_scoped(product, plgpu.ACC((bq, DQ_COLS), jnp.float32))
-                        if c == d // DQ_COLS - 1:
-                            plgpu.barrier_arrive(consumed.at[parity])
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add read it
                         dq_smem.at[wg][...] = part
                         plgpu.commit_smem()
@@ -155,7 +152,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                     # S^T and dP^T issued together, P^T's arithmetic under dP^T's product and
                     # dS^T's under dV's.
                     def st_dpt(s_ref, dp_ref):
-                        plgpu.wgmma(s_ref, k_smem.at[wg], q_t)
+                        plgpu.wgmma(s_ref, k_own, q_t)
                         plgpu.wgmma(dp_ref, v_smem.at[wg], do_t)
                         s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # dP^T in flight
                         return probabilities(s_t), dp_ref[...]
@@ -175,7 +172,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                 else:
 
                     def st(acc_ref):
-                        plgpu.wgmma(acc_ref, k_smem.at[wg], q_t)
+                        plgpu.wgmma(acc_ref, k_own, q_t)
                         return acc_ref[...]
 
                     p_t = probabilities(pl.run_scoped(st, plgpu.ACC((bk, bq), jnp.float32)))
@@ -214,12 +211,12 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
 
             dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
             if fused:  # the other's last dQ product has read both key tiles
-                plgpu.barrier_arrive(turns[2])
-                plgpu.barrier_wait(turns[2])
-            k_smem.at[wg][...] = (dk * scale).astype(dtype)
+                plgpu.barrier_arrive(turns[1])
+                plgpu.barrier_wait(turns[1])
+            k_own[...] = (dk * scale).astype(dtype)
             v_smem.at[wg][...] = dv.astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[b, own, kv_head])
+            plgpu.copy_smem_to_gmem(k_own, dk_ref.at[b, own, kv_head])
             plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[b, own, kv_head])
             plgpu.wait_smem_to_gmem(0)
 
@@ -250,14 +247,14 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
 
     scratch = [
         (
-            plgpu.SMEM((2, bk, d), dtype, transforms=tr),
+            plgpu.SMEM((keys, d), dtype, transforms=tr),
             plgpu.SMEM((2, bk, d), dtype, transforms=tr),
             plgpu.SMEM((stages, bq, d), dtype, transforms=tr),
             plgpu.SMEM((stages, bq, d), dtype, transforms=tr),
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.float32),
-            plgpu.SMEM((2, bk), jnp.int32),
-            plgpu.SMEM((2, 2, bk, bq), dtype, transforms=tr) if fused else None,
+            plgpu.SMEM((2, bk), jnp.int32) if vis.bounded else None,
+            plgpu.SMEM((ds_buffers, keys, bq), dtype, transforms=tr) if fused else None,
             plgpu.SMEM((2, bq, DQ_COLS), jnp.float32, transforms=F32_TILE) if fused else None,
         ),
         # A slot's query rows, dO, lse and delta in: on one barrier or on one each.
@@ -265,8 +262,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_barriers=6),
         (
-            plgpu.Barrier(num_arrivals=2, num_barriers=2),  # both dS^T of a parity are in
-            plgpu.Barrier(num_barriers=2),  # the turn's product has read its parity's dS^T
+            plgpu.Barrier(num_arrivals=2, num_barriers=ds_buffers),  # both dS^T of a step are in
             plgpu.Barrier(num_arrivals=2),  # both are done with the key tiles
         )
         if fused
