@@ -110,7 +110,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                         cols = pl.ds(c * DQ_COLS, DQ_COLS)
 
                         def product(acc_ref, cols=cols):  # over both key tiles at once
-                            ds = plgpu.transpose_ref(ds_smem.at[buf], (1, 0))
+                            ds = ds_smem.at[buf].transpose((1, 0))
                             plgpu.wgmma(acc_ref, ds, k_smem.at[:, cols])
                             return acc_ref[...]
 
@@ -127,8 +127,8 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                 for n in range(ready_per_slot):
                     plgpu.barrier_wait(ready.at[slot * ready_per_slot + n])
 
-                q_t = plgpu.transpose_ref(q_smem.at[slot], (1, 0))
-                do_t = plgpu.transpose_ref(do_smem.at[slot], (1, 0))
+                q_t = q_smem.at[slot].transpose((1, 0))
+                do_t = do_smem.at[slot].transpose((1, 0))
 
                 def probabilities(s_t):
                     s_t = s_t * c2
@@ -336,11 +336,9 @@ def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):
 
                 def s_dp(refs):
                     s_ref, dp_ref = refs
-                    plgpu.wgmma(s_ref, q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
                     plgpu.barrier_wait(v_ready.at[slot])
-                    plgpu.wgmma(
-                        dp_ref, do_smem.at[wg], plgpu.transpose_ref(v_smem.at[slot], (1, 0))
-                    )
+                    plgpu.wgmma(dp_ref, do_smem.at[wg], v_smem.at[slot].transpose((1, 0)))
 
                 zero = common.zeros((bq, bk))
                 s, dp = common.accumulate(s_dp, (zero, zero))

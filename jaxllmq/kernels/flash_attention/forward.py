@@ -88,9 +88,7 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
                     slot = ring(kb)
 
                     def qk(acc_ref):
-                        plgpu.wgmma(
-                            acc_ref, q_smem.at[buf], plgpu.transpose_ref(k_smem.at[slot], (1, 0))
-                        )
+                        plgpu.wgmma(acc_ref, q_smem.at[buf], k_smem.at[slot].transpose((1, 0)))
                         take_turn()
                         return acc_ref[...]
 
