@@ -98,7 +98,6 @@ def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
         (256, 128, True, 100, fa.FlashBlocks(dkv_overlap=True)),
         (256, 64, True, 100, fa.FlashBlocks(dq_in_dkv=True)),
         (256, 64, True, 100, fa.FlashBlocks(dq_in_dkv=True, dkv_overlap=True)),
-        (256, 128, False, None, fa.FlashBlocks(dq_in_dkv=True)),
         (200, 96, True, 100, None),
         (256, 80, False, None, None),
     ],
@@ -109,7 +108,6 @@ def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
         "dkv-overlap-128",
         "bounded-dq-in-dkv-64",
         "bounded-dq-in-dkv-overlap-64",
-        "dq-in-dkv-128",
         "padded-bounded-96",
         "80",
     ],
@@ -299,6 +297,18 @@ def test_the_tiles_left_unmasked_are_those_seen_whole(window, documents, key_til
         start, end = common.unmasked_query_tiles(last, 0, row0, rows, tile, t // tile, vis)
         want = [qb for qb in range(block, t // tile) if whole[qb, block]]
         assert list(range(int(start), int(end))) == want, ("queries", row0)
+
+
+def test_dq_in_dkv_is_refused_at_head_dim_128():
+    q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+    blocks = fa.FlashBlocks(dq_in_dkv=True)
+
+    def loss(q, k, v):
+        return jnp.sum(fa.flash_attention(q, k, v, scale=1.0, blocks=blocks).astype(jnp.float32))
+
+    with pytest.raises(ValueError, match="dq_in_dkv takes head dim 64 only, not 128"):
+        export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(q, kv, kv)
 
 
 @pytest.mark.parametrize(

@@ -15,9 +15,10 @@ from jaxllmq.kernels.flash_attention import common
 # Shared-memory transforms of fp32 [rows, D] tiles (128-byte swizzled rows of 32 elements), so that
 # stores from wgmma accumulators hit every bank once.
 F32_TILE = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-# dQ's columns a product of the dK/dV kernel takes at once (dq_in_dkv): at head dim 128 a whole
-# row's fp32 partial would not fit the registers and shared memory left.
-DQ_COLS = 64
+# The head dim dQ in dK/dV (FlashBlocks.dq_in_dkv) runs at: at 128 a row's fp32 partial of dQ
+# does not fit the registers and shared memory left, and by halves it was 1.2-1.3x slower than
+# dQ's own kernel.
+DQ_IN_DKV_HEAD_DIM = 64
 
 
 def row_delta(o, do):
@@ -39,6 +40,10 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     before dK and dV overwrite the key tiles."""
     fused = blocks.dq_in_dkv
     b_, t, hq, d = q.shape
+    if fused and d != DQ_IN_DKV_HEAD_DIM:
+        raise ValueError(
+            f"flash attention: dq_in_dkv takes head dim {DQ_IN_DKV_HEAD_DIM} only, not {d}"
+        )
     hkv = k.shape[2]
     group = hq // hkv
     bq, bk, stages = blocks.dkv_block_q, blocks.dkv_block_kv, blocks.dkv_stages
@@ -106,20 +111,16 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                 def _():
                     plgpu.barrier_wait(met.at[buf])
 
-                    for c in range(d // DQ_COLS):  # by column chunks: registers, shared memory
-                        cols = pl.ds(c * DQ_COLS, DQ_COLS)
+                    def product(acc_ref):  # over both key tiles at once
+                        plgpu.wgmma(acc_ref, ds_smem.at[buf].transpose((1, 0)), k_smem)
+                        return acc_ref[...]
 
-                        def product(acc_ref, cols=cols):  # over both key tiles at once
-                            ds = ds_smem.at[buf].transpose((1, 0))
-                            plgpu.wgmma(acc_ref, ds, k_smem.at[:, cols])
-                            return acc_ref[...]
-
-                        part = pl.run_scoped(product, plgpu.ACC((bq, DQ_COLS), jnp.float32))
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add read it
-                        dq_smem.at[wg][...] = part
-                        plgpu.commit_smem()
-                        dst = dq_ref.at[b, pl.ds(qb * bq, bq), kv_head * group + g, cols]
-                        plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op="add")
+                    part = pl.run_scoped(product, plgpu.ACC((bq, d), jnp.float32))
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add read it
+                    dq_smem.at[wg][...] = part
+                    plgpu.commit_smem()
+                    dst = dq_ref.at[b, pl.ds(qb * bq, bq), kv_head * group + g]
+                    plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op="add")
 
             def step(i, carry, g, qb, masked):
                 dk, dv = carry
@@ -255,7 +256,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((2, bk), jnp.int32) if vis.bounded else None,
             plgpu.SMEM((ds_buffers, keys, bq), dtype, transforms=tr) if fused else None,
-            plgpu.SMEM((2, bq, DQ_COLS), jnp.float32, transforms=F32_TILE) if fused else None,
+            plgpu.SMEM((2, bq, d), jnp.float32, transforms=F32_TILE) if fused else None,
         ),
         # A slot's query rows, dO, lse and delta in: on one barrier or on one each.
         plgpu.Barrier(num_arrivals=4 // ready_per_slot, num_barriers=stages * ready_per_slot),

@@ -19,8 +19,8 @@ COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 # Running maxima start here, not at -inf, so a row with no visible key in a tile stays finite.
 NO_MAX = -1e30
 HEAD_DIMS = (64, 128)
-# Where causal forward + backward runs faster than cuDNN's on an H200 (1.07-1.21x at head dim 64,
-# 8 x 2048 to 2 x 8192; at 128 0.97-1.08x, slower at the longest).
+# Where causal forward + backward runs faster than cuDNN's on an H200 (1.14-1.20x at head dim 64,
+# 8 x 2048 to 2 x 8192; at 128 0.96-1.09x, slower at the longest).
 CAUSAL_FASTER_HEAD_DIMS = (64,)
 # The query and dO bytes of a dK/dV section: well inside an H200's 50 MB of L2.
 DKV_SECTION_BYTES = 32 << 20
@@ -50,7 +50,7 @@ class FlashBlocks:
     # warpgroup waits once a step, not four times.
     dkv_one_ready: bool = True
     # dQ added up by the dK/dV kernel (fp32, by TMA's reduce-add; not bit-identical from run to
-    # run) instead of dQ's own kernel recomputing S and dP.
+    # run) instead of dQ's own kernel recomputing S and dP. Head dim 64 only.
     dq_in_dkv: bool = False
 
 
@@ -64,10 +64,10 @@ def default_blocks(head_dim: int, deterministic: bool = False) -> FlashBlocks:
     """The tiles for a head dim (those of the kernel head dim it runs at), as measured on an H200
     (causal, 8 x 2048 to 2 x 8192, 32 query and 8 key heads). At head dim 64, dQ added up in the
     dK/dV kernel, whose steps overlap (dq_in_dkv, dkv_overlap, 64-row steps: forward + backward
-    5-7% faster than dQ's own kernel), unless `deterministic`: then dQ's own kernel, with dK/dV
+    5-7% faster than dQ's own kernel, and more since), unless `deterministic`: then dQ's own kernel, with dK/dV
     steps of 128 query rows and dQ steps of 128 keys (alone each 2-3% faster than 64, together
     5% faster at each shape). At head dim 128 those spill registers (1.3-1.4x slower), so 64,
-    and dQ in the dK/dV kernel was 1.3x slower; there dK/dV's CTAs run in one section (0.4-2%
+    and dQ in the dK/dV kernel was 1.2-1.3x slower; there dK/dV's CTAs run in one section (0.4-2%
     faster than sections of 32 MiB, which are 1-3% faster at 64) and wait for a step's four
     loads one by one (1.5-2% faster than on one barrier, which is 2.6-2.9% faster at 64). Three
     forward stages or 192-key forward tiles were no faster at 64 and do not fit shared memory at
