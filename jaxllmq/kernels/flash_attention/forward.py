@@ -111,7 +111,7 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
                             ok = ok & (c >= first)
                         s = jnp.where(ok, s, -jnp.inf)
                     # The scale inside exp2's argument (one fused multiply-add an element, where
-                    # scaling S first costs a multiply more): 5-9% faster.
+                    # scaling S first costs a multiply more): 5-6% faster at head dim 64.
                     m_new = jnp.maximum(m, s.max(axis=1) * c2)
                     alpha = jnp.exp2(m - m_new)
                     p = jnp.exp2(s * c2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
