@@ -2,8 +2,8 @@
 refusals, resharding, export; retention and the pieces in-process.
 
 One module-scoped reference run (8 steps, checkpoints at 2, 4, 6, 8) is what the resumed runs
-must reproduce. Single-device runs share a persistent compilation cache, so each compiles once;
-multi-device runs do not use it (jax 0.10's CPU collectives can deadlock on cached executables).
+must reproduce. The runs go through main() in this process (train_here), but for what only a real
+process shows: a signal, kill -9, what the interpreter prints on its way out.
 """
 
 import json
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+from train_here import train_here
 
 from jaxllmq import checkpoint, checkpoint_files, resume_rules
 from jaxllmq.data.shards import write_shard
@@ -40,21 +41,6 @@ def shards(tmp_path_factory) -> str:
     write_shard(d / "train.bin", tokens, vocab_size=256)
     (d / "tokenizer.json").write_text("{}")  # stands for the data's tokenizer
     return str(d)
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> str:
-    """One per session: test_checkpoint_integrity.py's runs reuse these compiled executables."""
-    path = tmp_path_factory.getbasetemp() / "jax_cache"
-    path.mkdir(exist_ok=True)
-    return str(path)
-
-
-def _env(cache: str | None) -> dict:
-    env = dict(os.environ)
-    if cache:
-        env["JAX_COMPILATION_CACHE_DIR"] = cache
-    return env
 
 
 def _flags(shards: str, out: str, *extra: str, gpus: int = 1) -> list[str]:
@@ -84,11 +70,9 @@ def _cmd(module: str = "jaxllmq.main") -> list[str]:
     return [sys.executable, "-m", module]
 
 
-def run_module(args: list[str], cache: str | None, module: str = "jaxllmq.main"):
-    """`python -m module args` in a subprocess, sharing the compilation cache `cache`."""
-    return subprocess.run(
-        _cmd(module) + args, capture_output=True, text=True, timeout=300, env=_env(cache)
-    )
+def run_module(args: list[str], module: str = "jaxllmq.main"):
+    """`python -m module args` in a subprocess (sharing this process's compilation cache)."""
+    return subprocess.run(_cmd(module) + args, capture_output=True, text=True, timeout=300)
 
 
 def _records(out: str, kind: str = "step") -> list[dict]:
@@ -101,7 +85,7 @@ def _steps(out: str) -> dict[int, tuple[float, float]]:
 
 
 @pytest.fixture(scope="module")
-def reference(shards, cache, tmp_path_factory) -> dict:
+def reference(shards, tmp_path_factory) -> dict:
     """8 uninterrupted steps: losses, grad norms, checkpoints 2-8, the trainer's export."""
     out = str(tmp_path_factory.mktemp("reference"))
     extra = [
@@ -112,7 +96,7 @@ def reference(shards, cache, tmp_path_factory) -> dict:
         f"--out_dir={out}/model",
         "--steps=8",
     ]
-    proc = run_module(_flags(shards, out, *extra), cache)
+    proc = train_here(*_flags(shards, out, *extra))
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = _steps(out)
     assert sorted(steps) == list(range(1, 9))
@@ -120,12 +104,12 @@ def reference(shards, cache, tmp_path_factory) -> dict:
     return {"dir": out, "ckpt": f"{out}/ckpt", "steps": steps}
 
 
-def test_resume_is_bit_exact(shards, cache, reference, tmp_path):
+def test_resume_is_bit_exact(shards, reference, tmp_path):
     out = str(tmp_path)
     ck = f"--checkpoint_dir={out}/ckpt"
-    first = run_module(_flags(shards, out, ck, "--steps=4", "--save_training_state"), cache)
+    first = train_here(*_flags(shards, out, ck, "--steps=4", "--save_training_state"))
     assert first.returncode == 0, first.stderr[-3000:]
-    second = run_module(_flags(shards, out, ck, "--steps=8", "--continue=latest"), cache)
+    second = train_here(*_flags(shards, out, ck, "--steps=8", "--continue=latest"))
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "--steps: 4 -> 8" in second.stdout
     # Exact float equality of every step's loss and grad norm, across a mid-epoch resume with
@@ -135,24 +119,24 @@ def test_resume_is_bit_exact(shards, cache, reference, tmp_path):
     assert [r["step"] for r in _records(out, "checkpoint")] == [4]
 
 
-def test_new_data_is_needed_to_resume_onto_other_data(shards, cache, reference, tmp_path):
+def test_new_data_is_needed_to_resume_onto_other_data(shards, reference, tmp_path):
     args = _flags(shards, str(tmp_path), "--steps=9", f"--continue={reference['ckpt']}/8")
-    refused = run_module(args + ["--train_seed=7"], cache)
+    refused = train_here(*args, "--train_seed=7")
     assert refused.returncode == 1
     assert "error: --continue: the saved data position does not fit" in refused.stderr
     assert "seed: saved 42, now 7" in refused.stderr and "Traceback" not in refused.stderr
-    resumed = run_module(args + ["--train_seed=7", "--new_data"], cache)
+    resumed = train_here(*args, "--train_seed=7", "--new_data")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "--new_data: the data pipeline starts from its beginning" in resumed.stdout
     assert "--train_seed: 42 -> 7" in resumed.stdout
     assert list(_steps(str(tmp_path))) == [9]
 
 
-def test_sigterm_leaves_a_checkpoint_and_resuming_matches(shards, cache, reference, tmp_path):
+def test_sigterm_leaves_a_checkpoint_and_resuming_matches(shards, reference, tmp_path):
     out = str(tmp_path)
     args = _flags(shards, out, f"--checkpoint_dir={out}/ckpt", "--steps=8")
     proc = subprocess.Popen(
-        _cmd() + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(cache)
+        _cmd() + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ
     )
     log = os.path.join(out, "log.jsonl")
     deadline = time.time() + 120
@@ -168,7 +152,7 @@ def test_sigterm_leaves_a_checkpoint_and_resuming_matches(shards, cache, referen
     assert f"{out}/ckpt/{stopped}" in line
     assert checkpoint_files.checkpoint_steps(f"{out}/ckpt") == [stopped]
 
-    resumed = run_module(args + ["--continue=latest"], cache)
+    resumed = train_here(*args, "--continue=latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _steps(out) == reference["steps"]
 
@@ -192,13 +176,11 @@ _HOLD_SAVE = textwrap.dedent(
 )
 
 
-def test_kill_9_during_an_async_save_resumes_from_the_last_complete(
-    shards, cache, reference, tmp_path
-):
+def test_kill_9_during_an_async_save_resumes_from_the_last_complete(shards, reference, tmp_path):
     out = str(tmp_path)
     args = _flags(shards, out, f"--checkpoint_dir={out}/ckpt", "--ckpt_interval=2", "--steps=8")
     marker = tmp_path / "held"
-    env = dict(_env(cache), HELD_MARKER=str(marker))
+    env = dict(os.environ, HELD_MARKER=str(marker))
     proc = subprocess.Popen(
         [sys.executable, "-c", _HOLD_SAVE, *args],
         stdout=subprocess.PIPE,
@@ -217,7 +199,7 @@ def test_kill_9_during_an_async_save_resumes_from_the_last_complete(
     assert any(n.startswith("4.") for n in names)  # the save in flight: never renamed
     assert checkpoint_files.checkpoint_steps(f"{out}/ckpt") == [2]
 
-    resumed = run_module(args + ["--continue=latest"], cache)
+    resumed = train_here(*args, "--continue=latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {out}/ckpt/2 (step 2)" in resumed.stdout
     steps = _steps(out)
@@ -226,7 +208,7 @@ def test_kill_9_during_an_async_save_resumes_from_the_last_complete(
     assert not any(n.startswith("4.") for n in os.listdir(f"{out}/ckpt"))
 
 
-def test_damaged_checkpoint_is_named_and_latest_falls_back(shards, cache, reference, tmp_path):
+def test_damaged_checkpoint_is_named_and_latest_falls_back(shards, reference, tmp_path):
     out = str(tmp_path)
     ckpt = f"{out}/ckpt"
     shutil.copytree(reference["ckpt"], ckpt)
@@ -241,12 +223,12 @@ def test_damaged_checkpoint_is_named_and_latest_falls_back(shards, cache, refere
         f.truncate(10)
     args = _flags(shards, out, f"--checkpoint_dir={ckpt}")
 
-    explicit = run_module(args + ["--steps=9", "--continue=8"], cache)
+    explicit = train_here(*args, "--steps=9", "--continue=8")
     assert explicit.returncode == 1
     assert f"checkpoint {ckpt}/8 is damaged: {missing} is missing" in explicit.stderr
     assert "Traceback" not in explicit.stderr
 
-    latest = run_module(args + ["--steps=5", "--continue=latest"], cache)
+    latest = train_here(*args, "--steps=5", "--continue=latest")
     assert latest.returncode == 0, latest.stderr[-3000:]
     assert f"{ckpt}/8 is damaged: {missing} is missing" in latest.stdout
     assert f"{ckpt}/6 is damaged: train_state/{big} is 10 bytes" in latest.stdout
@@ -277,7 +259,7 @@ def _copy(reference: dict, ckpt: str, *steps: int) -> None:
 
 
 @pytest.mark.parametrize("item", ["params", "train_state", "data"])
-def test_a_flipped_byte_is_named_and_latest_falls_back(shards, cache, reference, tmp_path, item):
+def test_a_flipped_byte_is_named_and_latest_falls_back(shards, reference, tmp_path, item):
     out, ckpt = str(tmp_path), f"{tmp_path}/ckpt"
     _copy(reference, ckpt, 6, 8)
     if item == "data":  # the data position's step, 8 -> 9: still valid JSON, of the same size
@@ -289,7 +271,7 @@ def test_a_flipped_byte_is_named_and_latest_falls_back(shards, cache, reference,
         _flip_byte(file)
     rel = os.path.relpath(file, f"{ckpt}/8")
     args = _flags(shards, out, f"--checkpoint_dir={ckpt}", "--steps=7", "--continue=latest")
-    proc = run_module(args, cache)
+    proc = train_here(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"checkpoint {ckpt}/8 is damaged: {rel} has changed since it was written" in proc.stdout
     assert f"resumed from {ckpt}/6 (step 6)" in proc.stdout
@@ -297,7 +279,7 @@ def test_a_flipped_byte_is_named_and_latest_falls_back(shards, cache, reference,
     assert _steps(out)[7] == reference["steps"][7]
 
 
-def test_damage_found_by_reading_prints_no_asyncio_noise(shards, cache, reference, tmp_path):
+def test_damage_found_by_reading_prints_no_asyncio_noise(shards, reference, tmp_path):
     # Without files.json nothing is checked up front: reading the truncated array fails, and
     # orbax's abandoned reads used to print "Event loop is closed" tracebacks by the dozen.
     out, ckpt = str(tmp_path), f"{tmp_path}/ckpt"
@@ -306,7 +288,7 @@ def test_damage_found_by_reading_prints_no_asyncio_noise(shards, cache, referenc
     with open(_largest(f"{ckpt}/8/params"), "r+b") as f:
         f.truncate(10)
     args = _flags(shards, out, f"--checkpoint_dir={ckpt}", "--steps=7", "--continue=latest")
-    proc = run_module(args, cache)
+    proc = run_module(args)  # what the interpreter prints as it exits, too
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"checkpoint {ckpt}/8 is damaged" in proc.stdout
     assert f"resumed from {ckpt}/6 (step 6)" in proc.stdout
@@ -331,36 +313,36 @@ def _other_model(tmp_path) -> str:
         ("OTHER_MODEL", "holds another model (num_hidden_layers 4 -> 2)"),
     ],
 )
-def test_resume_refuses_a_change_of_meaning(shards, cache, reference, tmp_path, change, message):
+def test_resume_refuses_a_change_of_meaning(shards, reference, tmp_path, change, message):
     if change == "OTHER_MODEL":
         change = f"--model={_other_model(tmp_path)}"
     args = _flags(shards, str(tmp_path), "--steps=9", f"--continue={reference['ckpt']}/8", change)
-    proc = run_module(args, cache)
+    proc = train_here(*args)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("error: --continue: checkpoint") and message in lines[-1]
     assert "Traceback" not in proc.stderr
 
 
-def test_a_directory_of_another_runs_checkpoints_is_refused(shards, cache, reference, tmp_path):
+def test_a_directory_of_another_runs_checkpoints_is_refused(shards, reference, tmp_path):
     args = _flags(shards, str(tmp_path), "--steps=9", f"--checkpoint_dir={reference['ckpt']}")
-    proc = run_module(args, cache)
+    proc = train_here(*args)
     assert proc.returncode == 1
     assert "already holds checkpoints (steps 2, 4, 6, 8)" in proc.stderr
     assert "--continue=latest" in proc.stderr
 
 
-def test_restore_onto_fewer_devices(shards, cache, reference, tmp_path):
+def test_restore_onto_fewer_devices(shards, reference, tmp_path):
     # Saved on 8 devices under ZeRO-1, restored on 4 under ZeRO-3 and on 1.
     src = str(tmp_path / "on8")
     args8 = _flags(shards, src, f"--checkpoint_dir={src}/ckpt", "--steps=3", gpus=8)
-    proc = run_module(args8 + ["--save_training_state", "--ckpt_interval=2"], None)
+    proc = train_here(*args8, "--save_training_state", "--ckpt_interval=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     on8 = _steps(src)
-    for gpus, extra, use_cache in [(4, ["--zero_level=3"], None), (1, [], cache)]:
+    for gpus, extra in [(4, ["--zero_level=3"]), (1, [])]:
         out = str(tmp_path / f"on{gpus}")
         args = _flags(shards, out, f"--continue={src}/ckpt/2", "--steps=3", *extra, gpus=gpus)
-        proc = run_module(args, use_cache)
+        proc = train_here(*args)
         assert proc.returncode == 0, proc.stderr[-3000:]
         (loss, norm), (loss8, norm8) = _steps(out)[3], on8[3]
         assert loss == pytest.approx(loss8, rel=1e-5) and norm == pytest.approx(norm8, rel=1e-4)
@@ -371,9 +353,7 @@ def test_restore_onto_fewer_devices(shards, cache, reference, tmp_path):
 
 def test_export_cli_matches_the_trainers_export(reference, tmp_path):
     out = str(tmp_path / "exported")
-    proc = run_module(
-        [f"--checkpoint={reference['ckpt']}", f"--out_dir={out}"], None, "jaxllmq.export"
-    )
+    proc = run_module([f"--checkpoint={reference['ckpt']}", f"--out_dir={out}"], "jaxllmq.export")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"exported {reference['ckpt']}/8 to {out}" in proc.stdout
     theirs = f"{reference['dir']}/model"
@@ -386,9 +366,7 @@ def test_export_cli_matches_the_trainers_export(reference, tmp_path):
 
 
 def test_export_cli_one_line_error(tmp_path):
-    proc = run_module(
-        [f"--checkpoint={tmp_path}", f"--out_dir={tmp_path}/x"], None, "jaxllmq.export"
-    )
+    proc = run_module([f"--checkpoint={tmp_path}", f"--out_dir={tmp_path}/x"], "jaxllmq.export")
     assert proc.returncode == 1
     assert "neither a complete checkpoint" in proc.stderr and "Traceback" not in proc.stderr
 

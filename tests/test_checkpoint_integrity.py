@@ -16,12 +16,12 @@ import time
 import pytest
 import test_checkpoint
 from orbax.checkpoint import JsonCheckpointHandler
-from test_checkpoint import _checkpointing, _env, _flags, _flip_byte, _largest, _state, _steps
+from test_checkpoint import _checkpointing, _flags, _flip_byte, _largest, _state, _steps
 
 from jaxllmq import checkpoint, checkpoint_files
 from jaxllmq.checkpoint_files import FILE_LIST
 
-shards, cache = test_checkpoint.shards, test_checkpoint.cache  # its fixtures, for this module
+shards = test_checkpoint.shards  # its fixture, for this module
 
 # Fails the save of step 4 as a full disk would: orbax's JSON writes raise ENOSPC for it.
 _FULL_DISK = textwrap.dedent(
@@ -40,7 +40,7 @@ _FULL_DISK = textwrap.dedent(
 )
 
 
-def test_a_failed_save_stops_the_run_in_one_line(shards, cache, tmp_path):
+def test_a_failed_save_stops_the_run_in_one_line(shards, tmp_path):
     out = str(tmp_path)
     ckpt = f"{out}/ckpt"
     args = _flags(shards, out, f"--checkpoint_dir={ckpt}", "--ckpt_interval=2", "--ckpt_keep_n=1")
@@ -49,7 +49,6 @@ def test_a_failed_save_stops_the_run_in_one_line(shards, cache, tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env=_env(cache),
     )
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
@@ -163,7 +162,7 @@ _DIVERGE = textwrap.dedent(
 )
 
 
-def test_a_diverged_run_names_a_verified_checkpoint(shards, cache, tmp_path):
+def test_a_diverged_run_names_a_verified_checkpoint(shards, tmp_path):
     out = str(tmp_path)
     args = _flags(shards, out, f"--checkpoint_dir={out}/ckpt", "--ckpt_interval=2", "--steps=8")
     proc = subprocess.run(
@@ -171,7 +170,6 @@ def test_a_diverged_run_names_a_verified_checkpoint(shards, cache, tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env=_env(cache),
     )
     assert proc.returncode == 1
     (line,) = proc.stderr.strip().splitlines()

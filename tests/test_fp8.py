@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_checkpoint import run_module
+from train_here import train_here
 
 from jaxllmq import checkpoint, checkpoint_files, resume_rules, train_step
 from jaxllmq.data.shards import write_shard
@@ -362,13 +362,12 @@ def test_fp8_run_resumes_bit_exactly(tmp_path):
             *extra,
         ]
 
-    first = run_module(
-        flags("--steps=4", f"--log_file={out}/a.jsonl", f"--checkpoint_dir={out}/ckpt"),
-        f"{out}/cache",
+    first = train_here(
+        *flags("--steps=4", f"--log_file={out}/a.jsonl", f"--checkpoint_dir={out}/ckpt")
     )
     assert first.returncode == 0, first.stderr[-3000:]
     resume = ["--steps=4", f"--continue={out}/ckpt/2", f"--log_file={out}/b.jsonl"]
-    second = run_module(flags(*resume, f"--checkpoint_dir={out}/ckpt2"), f"{out}/cache")
+    second = train_here(*flags(*resume, f"--checkpoint_dir={out}/ckpt2"))
     assert second.returncode == 0, second.stderr[-3000:]
     steps = {}
     for name in ("a", "b"):
@@ -381,5 +380,5 @@ def test_fp8_run_resumes_bit_exactly(tmp_path):
     model = next(r for r in options if r["log"] == "options")["model"]
     dtypes = ("matmul_dtype", "gradient_dtype", "fp8_scaling")
     assert tuple(model[k] for k in dtypes) == ("e4m3", "e5m2", "delayed")
-    bad = run_module(flags("--steps=1", "--matmul_dtype=float32", "--gradient_dtype=e5m2"), out)
+    bad = train_here(*flags("--steps=1", "--matmul_dtype=float32", "--gradient_dtype=e5m2"))
     assert bad.returncode == 1 and "--gradient_dtype=e5m2 needs --matmul_dtype=e4m3" in bad.stderr

@@ -57,11 +57,15 @@ def flag_default(entry: Entry) -> Any:
 
 def define(cls: type, flag_values: flags.FlagValues = FLAGS) -> None:
     """Register a flag for every setting of `cls` (nested sections included), unless an earlier
-    run of the same command in this process has."""
+    run of the same command in this process has. Another command's flag of the same name is
+    replaced (tests run several commands in one process)."""
     for entry in entries(cls):
         meta, name, default = entry.meta, entry.flag, flag_default(entry)
-        if flag_values.find_module_defining_flag(name) == entry.section:
+        defined_by = flag_values.find_module_defining_flag(name)
+        if defined_by == entry.section:
             continue
+        if defined_by is not None:
+            delattr(flag_values, name)
         kw = {"flag_values": flag_values, "module_name": entry.section}
         kind = _base_type(entry.type)
         if meta.choices is not None:
