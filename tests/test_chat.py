@@ -16,6 +16,7 @@ import transformers
 from test_data_prepare import prepare_here
 from tiny_tokenizer import write_tiny_tokenizer
 from tokenizers import Tokenizer, processors
+from train_here import train_here
 
 from jaxllmq import generate as gen
 from jaxllmq.data import chat
@@ -455,8 +456,7 @@ def test_a_chat_fine_tune_learns_the_replies_and_generate_chat_stops_at_end_of_t
              "--sample_every_n_steps=150", "--sample_chat", f"--sample_prompts={questions[2]}?",
              "--sample_max_new_tokens=8", f"--out_dir={tmp_path}/model",
              f"--log_file={tmp_path}/log.jsonl"]  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "jaxllmq.main", *flags], capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    done = train_here(*flags)
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["log"] == "step"]

@@ -4,8 +4,6 @@ computes alone from position 0, in the model, the sharded steps and the data pip
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from tiny_tokenizer import write_tiny_tokenizer
+from train_here import train_here
 
 from jaxllmq import train_step
 from jaxllmq.cli.prepare import main
@@ -333,17 +332,11 @@ def test_a_tiny_model_trains_on_documents_through_the_cli(tmp_path):
         "--document_masking",
         f"--log_file={tmp_path}/log.jsonl",
     ]
-    run = lambda *extra: subprocess.run(
-        [sys.executable, "-m", "jaxllmq.main", *flags, *extra],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    refused = run()  # no eos.json beside the shards, no --eos_id
+    refused = train_here(*flags)  # no eos.json beside the shards, no --eos_id
     assert refused.returncode == 1
     assert "--document_masking needs the end-of-document id" in refused.stderr.strip()
     write_eos_id(str(tmp_path), 0)
-    proc = run()
+    proc = train_here(*flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(tmp_path / "log.jsonl") as f:
         records = [json.loads(line) for line in f]

@@ -4,8 +4,6 @@ document the loss transformers gives it run alone; so does the final eval of a r
 --document_masking and exported."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import transformers  # noqa: E402
 from hf_models import tiny_llama  # noqa: E402
+from train_here import train_here  # noqa: E402
 
 from jaxllmq.data.pack import Packer  # noqa: E402
 from jaxllmq.data.pipeline import documents  # noqa: E402
@@ -87,8 +86,7 @@ def test_a_trained_and_exported_models_eval_loss_is_transformers_per_document(tm
              f"--eval_file={tmp_path}/eval.bin", f"--seq_len={T}", "--batch_size=1", "--steps=6",
              "--lr=1e-2", "--matmul_dtype=float32", "--document_masking", f"--out_dir={out}",
              f"--log_file={log}", "--eval_every_n_steps=0"]  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "jaxllmq.main", *flags], capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    proc = train_here(*flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(log) as f:
         (final,) = [r for r in map(json.loads, f) if r["log"] == "eval"]

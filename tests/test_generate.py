@@ -16,6 +16,7 @@ from flax import nnx
 from hf_models import tiny_gemma3, tiny_llama, tiny_qwen2, tiny_qwen3
 from tiny_tokenizer import write_tiny_tokenizer
 from tokenizers import Tokenizer
+from train_here import train_here
 
 from jaxllmq import generate as gen
 from jaxllmq.data.shards import write_shard
@@ -184,24 +185,16 @@ def shards(tmp_path_factory):
 
 
 def _train(shards, out, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxllmq.main",
-            "--model=tiny",
-            "--from_scratch",
-            f"--train_file={shards}/train-*.bin",
-            "--seq_len=32",
-            "--batch_size=1",
-            "--matmul_dtype=float32",
-            "--steps=4",
-            f"--log_file={out}/log.jsonl",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    return train_here(
+        "--model=tiny",
+        "--from_scratch",
+        f"--train_file={shards}/train-*.bin",
+        "--seq_len=32",
+        "--batch_size=1",
+        "--matmul_dtype=float32",
+        "--steps=4",
+        f"--log_file={out}/log.jsonl",
+        *extra,
     )
 
 

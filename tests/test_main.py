@@ -1,4 +1,6 @@
-"""The real entry point, end to end in subprocesses: train, log, export; bad flags."""
+"""The real entry point: train, log and export end to end in a subprocess; bad flags and input
+through main() in this process (train_here: the one error line and exit 1 of a real process are
+test_bad_input.py's)."""
 
 import json
 import os
@@ -9,19 +11,16 @@ import numpy as np
 import pytest
 import transformers
 from test_log import read_tensorboard_scalars
+from train_here import train_here
 
 from jaxllmq.data.shards import write_shard
 
 VOCAB = 256
 
 
-def _run(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
+def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "jaxllmq.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=cwd,
+        [sys.executable, "-m", "jaxllmq.main", *args], capture_output=True, text=True, timeout=600
     )
 
 
@@ -114,10 +113,17 @@ def test_train_end_to_end(shards, tmp_path):
 )
 def test_bad_flags_exit_1_naming_the_flag(shards, tmp_path, extra, message):
     # A value absl's parser refuses gets its message; a combination the settings refuse, one line.
-    proc = _run(*_flags(shards, str(tmp_path)), *extra)
+    proc = train_here(*_flags(shards, str(tmp_path)), *extra)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "Flags parsing error" in proc.stderr or proc.stderr.startswith("error: ")
     assert message in proc.stderr
+
+
+def test_a_bad_flag_ends_the_process_with_status_1(shards, tmp_path):
+    # The cases above run in this process; absl's own message and exit, in a real one.
+    proc = _run(*_flags(shards, str(tmp_path)), "--no_such_flag=1")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("FATAL Flags parsing error: Unknown command line flag")
 
 
 @pytest.mark.parametrize(
@@ -135,7 +141,7 @@ def test_bad_flags_exit_1_naming_the_flag(shards, tmp_path, extra, message):
     ],
 )
 def test_bad_input_is_one_clear_line(shards, tmp_path, extra, message):
-    proc = _run(*_flags(shards, str(tmp_path)), *extra)
+    proc = train_here(*_flags(shards, str(tmp_path)), *extra)
     assert proc.returncode == 1
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -145,7 +151,9 @@ def test_bad_input_is_one_clear_line(shards, tmp_path, extra, message):
 def test_vocab_larger_than_the_model_is_refused(tmp_path):
     write_shard(tmp_path / "big.bin", np.arange(100, dtype=np.int32), vocab_size=50000)
     big = f"{tmp_path}/big.bin"
-    proc = _run(*_flags(str(tmp_path), str(tmp_path), f"--train_file={big}", f"--eval_file={big}"))
+    proc = train_here(
+        *_flags(str(tmp_path), str(tmp_path), f"--train_file={big}", f"--eval_file={big}")
+    )
     assert proc.returncode == 1
     assert "big.bin" in proc.stderr and "vocab" in proc.stderr
     assert not os.path.exists(tmp_path / "e2e" / "model")

@@ -1,6 +1,6 @@
 """The run lock: a second run on a held --checkpoint_dir / --out_dir / --log_file is refused in one
 line; locks left by dead runs of this host are taken over, another host's are not; released at
-the end. One end-to-end case through `python -m jaxllmq.main`; the rest in-process."""
+the end. One end-to-end case through the training command's main(); the rest at the lock."""
 
 import json
 import os
@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from train_here import train_here
 
 from jaxllmq import runlock
 from jaxllmq.data.shards import write_shard
@@ -171,8 +172,7 @@ def test_a_second_training_run_is_refused_then_takes_over_once_the_first_died(ho
         "--ckpt_interval=0",
         *paths,
     ]
-    cmd = [sys.executable, "-m", "jaxllmq.main", *flags, "--continue=latest"]
-    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    refused = train_here(*flags, "--continue=latest")
     assert refused.returncode == 1
     line = refused.stderr.strip().splitlines()[-1]
     assert line.startswith(f"error: --checkpoint_dir {ckpt} is in use by pid {first.pid} on ")
@@ -189,7 +189,7 @@ def test_a_second_training_run_is_refused_then_takes_over_once_the_first_died(ho
 
     first.send_signal(signal.SIGKILL)  # dies holding its locks: the lock files stay
     first.wait()
-    second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    second = train_here(*flags, "--continue=latest")
     assert second.returncode == 0, second.stderr[-3000:]
     for flag, path in [("--checkpoint_dir", ckpt), ("--out_dir", out), ("--log_file", log)]:
         note = f"{flag} {path}: taking over the lock of a run that is gone: pid {first.pid} on"
