@@ -88,12 +88,17 @@ def _needs_outside_files(cmd: list[str]) -> bool:
 
 
 # Appended to the README's commands (later flags win) so the tutorial runs in CI time: as written
-# it tokenizes a 32 MB corpus (~20 s) and trains 150 steps (~3 min on 2 cores). A 1 MB corpus
-# (one 225k-token shard) and 4 steps with one mid-run eval still exercise every part of the path:
-# tokenizer, shards, train and eval steps, the log, the HF export.
+# it tokenizes a 32 MB corpus (~20 s) and trains 150 steps (~3 min on 2 cores). A 0.3 MB corpus
+# (a 22k-token shard, a 1.3k-token eval set) and 4 steps of 2 x 64 tokens with one mid-run eval
+# still exercise every part of the path: tokenizer, shards, train and eval steps, the log, the HF
+# export, sampling.
 SHRINK = {
-    "jaxllmq.data.prepare": ["--quickstart_mb=1"],
-    "jaxllmq.main": ["--steps=4", "--warmup=1", "--eval_every_n_steps=2", "--eval_num_steps=1"],
+    "jaxllmq.data.prepare": ["--quickstart_mb=0.3"],
+    "jaxllmq.main": [
+        *("--steps=4", "--warmup=1", "--eval_every_n_steps=2", "--eval_num_steps=1"),
+        *("--seq_len=64", "--batch_size=2"),
+    ],
+    "jaxllmq.generate": ["--max_new_tokens=8"],
 }
 
 
