@@ -1,6 +1,6 @@
 """Multi-process on CPU: launch/local.sh with 2 processes x 2 devices, its master weights and
 moments offloaded to host memory, trains like 1 x 4 without offload, and its checkpoint resumes
-in one process."""
+in one process (those two runs: main() on 4 of this process's devices)."""
 
 import json
 import os
@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+from train_here import train_here
 
 from jaxllmq.data.shards import write_shard
 
@@ -42,13 +43,8 @@ def _losses(path: str) -> list[float]:
 def test_two_processes_match_one_and_resume_in_one(tmp_path):
     rng = np.random.default_rng(0)
     write_shard(tmp_path / "train.bin", rng.integers(0, 256, 20000, dtype=np.int32), vocab_size=256)
-    # The suite's XLA flags (fast compiles) carry over; the device counts given after them win.
+    # The suite's XLA flags (fast compiles) carry over; the device count given after them wins.
     env = dict(os.environ)
-    one_env = {
-        **env,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
-    }
     ckpt = [f"--checkpoint_dir={tmp_path}/ckpt", "--save_training_state", "--ckpt_interval=0"]
     two = subprocess.run(
         [
@@ -66,13 +62,7 @@ def test_two_processes_match_one_and_resume_in_one(tmp_path):
         timeout=600,
     )
     assert two.returncode == 0, two.stderr[-3000:]
-    one = subprocess.run(
-        [sys.executable, "-m", "jaxllmq.main", *_flags(str(tmp_path), f"{tmp_path}/one", 6)],
-        env=one_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    one = train_here(*_flags(str(tmp_path), f"{tmp_path}/one", 6), "--gpus=4")
     assert one.returncode == 0, one.stderr[-3000:]
     two_losses, one_losses = (
         _losses(f"{tmp_path}/two/log.jsonl"),
@@ -83,19 +73,8 @@ def test_two_processes_match_one_and_resume_in_one(tmp_path):
     # The model is exported once, whole, by process 0 (gathered from both processes' shards).
     assert os.path.exists(f"{tmp_path}/two/model/model.safetensors")
     # The two-process run's checkpoint (written collectively) resumes in one process.
-    resumed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxllmq.main",
-            *_flags(str(tmp_path), f"{tmp_path}/two", 6),
-            *ckpt,
-            "--continue=latest",
-        ],
-        env=one_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    resumed = train_here(
+        *_flags(str(tmp_path), f"{tmp_path}/two", 6), *ckpt, "--continue=latest", "--gpus=4"
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     np.testing.assert_allclose(_losses(f"{tmp_path}/two/log.jsonl")[4:], one_losses[4:], rtol=1e-5)
