@@ -4,8 +4,6 @@ untrained tokens; with --document_masking each example gets the loss it gets alo
 import collections
 import dataclasses
 import json
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from tiny_tokenizer import write_tiny_tokenizer
+from train_here import train_here
 
 from jaxllmq.cli.prepare import main
 from jaxllmq.data.pack import PACK_FILE, Packer, best_fit_decreasing, pad_id
@@ -172,9 +171,8 @@ def test_overlong_examples_dropped_and_other_seq_lens_refused(chat, tmp_path, ca
         DataConfig(train_files=(shard,), seq_len=2 * T)
     with pytest.raises(SettingError, match=r"^--eval_file: .*--seq_len=63, not --seq_len=32"):
         DataConfig(eval_files=(shard,), seq_len=32)
-    train = [sys.executable, "-m", "jaxllmq.main", "--model=tiny", "--from_scratch",
-             f"--train_file={shard}", "--seq_len=32", "--steps=1", "--document_masking"]  # fmt: skip
-    refused = subprocess.run(train, capture_output=True, text=True, timeout=300)
+    refused = train_here("--model=tiny", "--from_scratch", f"--train_file={shard}", "--seq_len=32",
+                         "--steps=1", "--document_masking")  # fmt: skip
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
     assert (
         refused.stderr.strip()
