@@ -38,19 +38,24 @@ def _value_and_grad(recompute: Recompute, scan: bool, cfg):
     return jax.jit(jax.value_and_grad(loss))
 
 
-def _loss_and_grads(recompute: Recompute, scan: bool, tokens, cfg=CFG):
-    params = params_of(Llama(cfg, rngs=nnx.Rngs(0)))
-    fn = _value_and_grad(recompute, scan, cfg)
-    mem = fn.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
-    return fn(params, tokens), mem
+def _loss_and_grads(recompute: Recompute, scan: bool, tokens):
+    return _value_and_grad(recompute, scan, CFG)(params_of(Llama(CFG, rngs=nnx.Rngs(0))), tokens)
+
+
+def _temp_bytes(recompute: Recompute, tokens, cfg) -> int:
+    """What the compiled loss and gradients of the scanned model keep besides their arguments
+    and outputs (compiled only: nothing runs)."""
+    params = nnx.eval_shape(lambda: params_of(Llama(cfg, rngs=nnx.Rngs(0))))
+    lowered = _value_and_grad(recompute, True, cfg).lower(params, tokens)
+    return lowered.compile().memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.parametrize("scan", [True, False])
 @pytest.mark.parametrize("flag", ["swiglu", "norm", "ffn", "qkv", "att", "block"])
 def test_same_losses_and_grads(flag, scan):
     tokens = np.random.default_rng().integers(0, CFG.vocab_size, (2, 65), dtype=np.int32)
-    (loss0, g0), _ = _loss_and_grads(Recompute(), scan, tokens)
-    (loss1, g1), _ = _loss_and_grads(Recompute(**{flag: True}), scan, tokens)
+    loss0, g0 = _loss_and_grads(Recompute(), scan, tokens)
+    loss1, g1 = _loss_and_grads(Recompute(**{flag: True}), scan, tokens)
     # The same arithmetic, but XLA fuses the checkpointed program differently, so fp32 sums may
     # round differently: the loss by an ulp at most, gradients by ~7e-7 relative per leaf (seen
     # on this model). A wrong recomputation would be off by orders of magnitude more.
@@ -64,7 +69,7 @@ def test_each_switch_keeps_less_memory():
     deep = dataclasses.replace(CFG, num_hidden_layers=8)
     tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (8, 65), dtype=np.int32)
     mem = {
-        name: _loss_and_grads(Recompute(**kw), True, tokens, deep)[1]
+        name: _temp_bytes(Recompute(**kw), tokens, deep)
         for name, kw in [
             ("none", {}),
             ("swiglu", {"swiglu": True}),
