@@ -1,6 +1,6 @@
-"""The real entry point: train, log and export end to end in a subprocess; bad flags and input
-through main() in this process (train_here: the one error line and exit 1 of a real process are
-test_bad_input.py's)."""
+"""The training command end to end: train, log and export; bad flags and input. Through main() in
+this process (train_here); a real process trains in test_readme.py's tutorial, and prints its one
+error line in test_bad_input.py."""
 
 import json
 import os
@@ -49,7 +49,6 @@ def _flags(shards: str, out: str, *extra: str) -> list[str]:
         f"--eval_file={shards}/eval.bin",
         "--seq_len=32",
         "--batch-size=1",  # llmq's dashed spelling works too
-        "--grad_accumulation=2",
         "--matmul_dtype=float32",
         "--steps=16",
         "--lr=3e-3",
@@ -68,7 +67,7 @@ def test_train_end_to_end(shards, tmp_path):
     flagfile.write_text("\n".join(_flags(shards, str(tmp_path))) + "\n--steps=5\n")
     # The flagfile says 5 steps; the later command-line flag wins.
     tb = tmp_path / "tb"
-    proc = _run(
+    proc = train_here(
         f"--flagfile={flagfile}", "--steps=16", "--log_gpu_util=8", f"--tensorboard_dir={tb}"
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
