@@ -136,7 +136,7 @@ def test_sigterm_leaves_a_checkpoint_and_resuming_matches(shards, reference, tmp
     out = str(tmp_path)
     args = _flags(shards, out, f"--checkpoint_dir={out}/ckpt", "--steps=8")
     proc = subprocess.Popen(
-        _cmd() + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ
+        _cmd() + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     log = os.path.join(out, "log.jsonl")
     deadline = time.time() + 120
