@@ -165,13 +165,16 @@ def _mosaic_attention_refusal(model_cfg, dtype, platform, hopper) -> str | None:
 
 def _mosaic_attention_faster(model_cfg, devices: int, documents: bool) -> bool:
     """Whether jaxllmq's flash attention, where it can run, was measured faster than cuDNN's for
-    this model's attention: on one GPU, over packed documents, or causal at the head dims where
-    its kernel is (on several GPUs it runs per device, not yet timed there)."""
+    this model's attention: on one GPU, over packed documents or causal, at the head dims where
+    it was (on several GPUs it runs per device, not yet timed there)."""
     from jaxllmq.kernels import flash_attention  # Mosaic GPU's Pallas: where it can run only
 
-    return devices == 1 and (
-        documents or model_cfg.head_dim in flash_attention.CAUSAL_FASTER_HEAD_DIMS
-    )
+    head_dim = model_cfg.head_dim
+    if documents:
+        return devices == 1 and (
+            flash_attention.kernel_head_dim(head_dim) in flash_attention.DOCUMENTS_FASTER_HEAD_DIMS
+        )
+    return devices == 1 and head_dim in flash_attention.CAUSAL_FASTER_HEAD_DIMS
 
 
 def make_plan(

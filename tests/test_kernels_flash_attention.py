@@ -70,17 +70,26 @@ def test_reference_is_xla_attention_over_documents_and_a_window():
 
 def test_refuses_what_it_does_not_take_in_one_line():
     assert fa.fits(64, 8, 2, jnp.bfloat16) is None
-    assert fa.fits(256, 8, 2, jnp.bfloat16) == "head dim 256 (it takes up to 128)"
+    assert fa.fits(256, 8, 2, jnp.bfloat16) is None
+    assert fa.fits(320, 8, 2, jnp.bfloat16) == "head dim 320 (it takes up to 256)"
     assert fa.fits(128, 8, 2, jnp.float32) == "float32 (it takes bfloat16 or float16)"
     assert fa.fits(64, 8, 3, jnp.bfloat16) == "8 query heads over 3 key heads"
-    with pytest.raises(ValueError, match="does not take head dim 256"):
-        x = jnp.zeros((1, 256, 2, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="does not take head dim 320"):
+        x = jnp.zeros((1, 256, 2, 320), jnp.bfloat16)
         fa.flash_attention(x, x, x, scale=1.0)
 
 
+@pytest.mark.parametrize(
+    "change", [dict(dkv_block_q=32), dict(block_kv=0), dict(dq_stages=0), dict(dkv_section=-1)]
+)
+def test_tiles_that_no_kernel_takes_are_refused(change):
+    with pytest.raises(ValueError, match="tiles are positive multiples of 64"):
+        fa.FlashBlocks(**change)
+
+
 def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
-    got = {d: fa.kernel_head_dim(d) for d in (16, 64, 80, 96, 128, 192, 256)}
-    assert got == {16: 64, 64: 64, 80: 128, 96: 128, 128: 128, 192: None, 256: None}
+    got = {d: fa.kernel_head_dim(d) for d in (16, 64, 80, 96, 128, 192, 256, 320)}
+    assert got == {16: 64, 64: 64, 80: 128, 96: 128, 128: 128, 192: 256, 256: 256, 320: None}
     for d in (16, 80, 96, 128):
         assert fa.fits(d, 8, 2, jnp.bfloat16) is None
     # With the tiles of the head dim they run at.
@@ -100,6 +109,8 @@ def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
         (256, 64, True, 100, fa.FlashBlocks(dq_in_dkv=True, dkv_overlap=True)),
         (200, 96, True, 100, None),
         (256, 80, False, None, None),
+        (256, 256, False, None, None),
+        (256, 256, True, 100, None),
     ],
     ids=[
         "causal-64",
@@ -110,6 +121,8 @@ def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
         "bounded-dq-in-dkv-overlap-64",
         "padded-bounded-96",
         "80",
+        "causal-256",
+        "bounded-256",
     ],
 )
 def test_forward_and_backward_lower_to_mosaic_gpu(t, d, documents, window, blocks):
@@ -136,6 +149,7 @@ def test_forward_and_backward_lower_to_mosaic_gpu(t, d, documents, window, block
     module = export.export(grads, platforms=["cuda"])(q, kv, kv, seg).mlir_module()
     # The forward and the backward's kernels (dK/dV, and dQ unless dK/dV adds it up).
     kernels = 2 if (blocks or fa.default_blocks(d)).dq_in_dkv else 3
+    kernels += fa.kernel_head_dim(d) > 128  # dK/dV by column halves, a kernel each
     assert len(re.findall(r"custom_call @mosaic_gpu", module)) == kernels
     assert f"x{fa.kernel_head_dim(d)}xbf16" in module
     # Named for profiles (jax 0.10 names a kernel that writes a Ref in place after its wrapper).
@@ -187,6 +201,19 @@ def test_a_model_with_mosaic_attention_over_documents_lowers_each_kernel_once(
     assert len(_mosaic_calls(exported)) == (3 if deterministic else 2)
 
 
+def test_gemma_3_layers_lower_at_head_dim_256():
+    """Gemma 3's head dim: the forward (its local layers' window over documents), dK/dV by
+    column halves (two kernels) and dQ's own kernel, each once, at head dim 256."""
+    gemma = preset("gemma-3-1b")
+    cfg = dataclasses.replace(
+        gemma, num_hidden_layers=2, layer_types=gemma.layer_types[:2], vocab_size=256,
+        intermediate_size=256,
+    )  # fmt: skip
+    assert cfg.head_dim == 256 and cfg.sliding_window is not None
+    calls = _mosaic_calls(_lowered_gradient(cfg, 2, scan_layers=False, deterministic=True))
+    assert len(calls) == 4 and all("x256xbf16>" in ln for ln in calls)
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_the_kernel_lowers_per_device_inside_shard_map(deterministic):
     """On 8 devices (data 2, fsdp 2, tensor 2) each of the Mosaic GPU calls (forward, dK/dV and
@@ -208,15 +235,18 @@ def test_the_kernel_lowers_per_device_inside_shard_map(deterministic):
     [
         ("llama-3.2-1b", CPU, (1, 1, 1), "runs on a Hopper GPU (H100, H200) only, not on cpu"),
         ("llama-3.2-1b", A100, (1, 1, 1), "only, not on this GPU"),
-        ("gemma-3-1b", H200, (1, 1, 1), "does not take head dim 256 (it takes up to 128)"),
+        ("gemma-3-1b", H200, (1, 1, 1), "does not take head dim 320 (it takes up to 256)"),
     ],
 )
 def test_the_plan_refuses_mosaic_attention_where_it_cannot_run(cfg, hardware, mesh, message):
     spec = ModelSpec(model=cfg, from_scratch=True, matmul_dtype="bfloat16", attention="mosaic")
     spec = dataclasses.replace(spec, scan_layers=False)
     shape = dict(zip(("data", "fsdp", "tensor"), mesh, strict=True))
+    model_cfg = preset(cfg)
+    if cfg.startswith("gemma"):  # a head dim past the kernel's largest
+        model_cfg = dataclasses.replace(model_cfg, head_dim=320)
     with pytest.raises(ModelConfigError, match=re.escape(message)):
-        make_plan(preset(cfg), spec, mesh_shape=shape, **hardware)
+        make_plan(model_cfg, spec, mesh_shape=shape, **hardware)
 
 
 def test_the_plan_runs_mosaic_attention_on_one_hopper_gpu():
@@ -238,13 +268,14 @@ def test_the_plan_runs_mosaic_attention_on_one_hopper_gpu():
         ("llama-3.2-1b", H200, 2, 32, False, "cudnn"),  # ours measured on one GPU only
         ("llama-3.2-1b", H200, 2, None, False, "cudnn"),
         ("llama-3.2-1b", A100, 1, 32, False, "cudnn"),
-        ("gemma-3-1b", H200, 1, 32, False, "cudnn"),  # head dim 256
+        ("gemma-3-1b", H200, 1, 32, False, "cudnn"),  # head dim 256: cuDNN's segments
         ("llama-3.2-1b", CPU, 1, 32, False, "xla"),
         # Deterministic: ours wherever it runs (per device on several), else XLA's.
         ("llama-3.2-1b", H200, 1, None, True, "mosaic"),
         ("llama-3.2-1b", H200, 2, 32, True, "mosaic"),
         ("llama-3.2-1b", A100, 1, None, True, "xla"),
-        ("gemma-3-1b", H200, 1, None, True, "xla"),
+        ("gemma-3-1b", H200, 1, None, True, "mosaic"),
+        ("gemma-3-1b", CPU, 1, None, True, "xla"),
     ],
 )
 def test_auto_attention_runs_mosaic_where_it_was_measured_faster_or_for_determinism(

@@ -1,6 +1,6 @@
 """The Mosaic GPU flash attention on the GPU: forward and backward against the float32 reference
 within twice cuDNN's own error at the same shape, causal, over packed documents and with a
-sliding window, at head dims 64 and 128, by default (dQ added up in the dK/dV kernel at 64) and
+sliding window, at head dims 64, 128 and 256, by default (dQ added up in the dK/dV kernel at 64) and
 deterministic, and with the dK/dV kernel's other orders; the same gradients on each of several
 deterministic calls (a race between warpgroups shows as a call that differs); and the same
 results through the model's per-device path (shard_map) as from the plain call
@@ -46,6 +46,7 @@ def _outputs(attend, q, k, v, do):
         (64, fa.FlashBlocks(dq_in_dkv=True, dkv_overlap=True)),
         (96, None),
         (64, dataclasses.replace(fa.default_blocks(64, deterministic=True), block_kv=64)),
+        (256, None),
     ],
     ids=[
         "64",
@@ -55,6 +56,7 @@ def _outputs(attend, q, k, v, do):
         "64-dq-in-dkv-overlap",
         "96-padded",
         "64-forward-64-key-tiles",
+        "256",
     ],
 )
 @pytest.mark.parametrize("visibility", ["causal", "documents", "window"])

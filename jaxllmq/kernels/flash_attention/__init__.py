@@ -1,8 +1,11 @@
 """Causal flash attention for Hopper in Mosaic GPU: GQA, packed documents, sliding windows.
 
-The kernels take head dims 64 and 128; a head dim below 128 runs at the next of them, its
+The kernels take head dims 64, 128 and 256; a smaller head dim runs at the next of them, its
 inputs padded with zero columns (which change no score, output or gradient; at 96, causal, the
-padded kernels take 1.06-1.08x cuDNN's time at 96).
+padded kernels take 1.06-1.08x cuDNN's time at 96). At 256 dK's and dV's fp32 rows do not fit
+a warpgroup's registers together, so two dK/dV kernels form a column half each, and the
+backward's streamed tiles are single-buffered to fit shared memory: causal forward + backward
+takes 1.8-2.0x cuDNN's time there, so `auto` runs it only under `deterministic`.
 
 The forward keeps a CTA's 2 x block_q query rows in shared memory, one block_q half per compute
 warpgroup, while a memory warpgroup streams key and value tiles through a ring of `stages`
@@ -45,6 +48,7 @@ from jax import lax
 from jaxllmq.kernels.flash_attention import backward, forward
 from jaxllmq.kernels.flash_attention.common import (
     CAUSAL_FASTER_HEAD_DIMS,
+    DOCUMENTS_FASTER_HEAD_DIMS,
     HEAD_DIMS,
     FlashBlocks,
     Visibility,
@@ -54,6 +58,7 @@ from jaxllmq.kernels.flash_attention.common import (
 
 __all__ = [
     "CAUSAL_FASTER_HEAD_DIMS",
+    "DOCUMENTS_FASTER_HEAD_DIMS",
     "HEAD_DIMS",
     "FlashBlocks",
     "default_blocks",
@@ -67,7 +72,8 @@ __all__ = [
 
 def fits(head_dim: int, heads: int, kv_heads: int, dtype) -> str | None:
     """Why the kernel cannot take these heads in `dtype` (None: it can). Any sequence length:
-    flash_attention pads it to whole tiles; any head dim up to 128: it pads it to 64 or 128."""
+    flash_attention pads it to whole tiles; any head dim up to 256: it pads it to 64, 128 or
+    256."""
     if kernel_head_dim(head_dim) is None:
         return f"head dim {head_dim} (it takes up to {max(HEAD_DIMS)})"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):

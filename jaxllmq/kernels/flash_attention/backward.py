@@ -20,6 +20,9 @@ F32_TILE = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 # turn it was 1.2-1.3x slower than dQ's own kernel, and by column halves, both warpgroups
 # every step, 1.17-1.23x.
 DQ_IN_DKV_HEAD_DIM = 64
+# The largest head dim whose dK and dV one dK/dV kernel forms whole (fp32 [64, D] each, in a
+# compute warpgroup's 232 registers beside the step's scores).
+DKV_HEAD_DIM = 128
 
 
 def row_delta(o, do):
@@ -29,7 +32,20 @@ def row_delta(o, do):
 
 
 def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
-    """(dK, dV) [B, T, Hkv, D], and with blocks.dq_in_dkv dQ [B, T, Hq, D] too: a CTA per
+    """(dK, dV) [B, T, Hkv, D], and with blocks.dq_in_dkv dQ [B, T, Hq, D] too. Above head dim
+    DKV_HEAD_DIM dK's and dV's fp32 rows do not fit a warpgroup's registers together, so one
+    kernel forms the first half of their columns and another the second, each computing the
+    scores and dP in full."""
+    if q.shape[-1] <= DKV_HEAD_DIM:
+        return _dkv_columns(q, k, v, do, lse, delta, last_row, scale, vis, blocks, None)
+    halves = [
+        _dkv_columns(q, k, v, do, lse, delta, last_row, scale, vis, blocks, half) for half in (0, 1)
+    ]
+    return tuple(jnp.concatenate(parts, axis=-1) for parts in zip(*halves, strict=True))
+
+
+def _dkv_columns(q, k, v, do, lse, delta, last_row, scale, vis, blocks, half):
+    """backward_dkv's kernel, forming dK's and dV's columns of `half` (None: all): a CTA per
     2 x dkv_block_kv keys of a key head, over the query tiles of every query head of its group
     that see them. The CTAs go section by section of (batch, key head) pairs (dkv_section), and
     within a section those of the first keys, which the most queries see, start first.
@@ -41,6 +57,12 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     before dK and dV overwrite the key tiles."""
     fused = blocks.dq_in_dkv
     b_, t, hq, d = q.shape
+    dh = d if half is None else d // 2  # the columns of dK and dV formed
+
+    def out_cols(ref):
+        """ref's columns of dK and dV formed here."""
+        return ref if half is None else ref.at[:, pl.ds(half * dh, dh)]
+
     if fused and d != DQ_IN_DKV_HEAD_DIM:
         raise ValueError(
             f"flash attention: dq_in_dkv takes head dim {DQ_IN_DKV_HEAD_DIM} only, not {d}"
@@ -95,7 +117,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
             unmasked_from, unmasked_to = common.unmasked_query_tiles(
                 lr_ref, b, key0, bk, bq, hi, vis
             )
-            zeros = common.zeros((bk, d))
+            zeros = common.zeros((bk, dh))
 
             def share_ds(i, ds16):
                 met, _ = turns
@@ -164,9 +186,9 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                     p16 = p_t.astype(dtype)
 
                     def dv_dk(refs):
-                        plgpu.wgmma(refs[0], p16, do_smem.at[slot])
+                        plgpu.wgmma(refs[0], p16, out_cols(do_smem.at[slot]))
                         ds16 = d_scores(p_t, dp_t)
-                        plgpu.wgmma(refs[1], ds16, q_smem.at[slot])
+                        plgpu.wgmma(refs[1], ds16, out_cols(q_smem.at[slot]))
                         if fused:  # under dK's product
                             share_ds(i, ds16)
 
@@ -181,14 +203,14 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                     p16 = p_t.astype(dtype)
 
                     def dv_dp(refs):
-                        plgpu.wgmma(refs[0], p16, do_smem.at[slot])
+                        plgpu.wgmma(refs[0], p16, out_cols(do_smem.at[slot]))
                         plgpu.wgmma(refs[1], v_smem.at[wg], do_t)
 
                     dv, dp_t = common.accumulate(dv_dp, (dv, common.zeros((bk, bq))))
                     ds16 = d_scores(p_t, dp_t)
 
                     def dk_step(refs):
-                        plgpu.wgmma(refs[0], ds16, q_smem.at[slot])
+                        plgpu.wgmma(refs[0], ds16, out_cols(q_smem.at[slot]))
                         if fused:  # under dK's product
                             share_ds(i, ds16)
 
@@ -215,11 +237,17 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
             if fused:  # the other's last dQ product has read both key tiles
                 plgpu.barrier_arrive(turns[1])
                 plgpu.barrier_wait(turns[1])
-            k_own[...] = (dk * scale).astype(dtype)
-            v_smem.at[wg][...] = dv.astype(dtype)
+            dk_out, dv_out = out_cols(k_own), out_cols(v_smem.at[wg])
+            dk_out[...] = (dk * scale).astype(dtype)
+            dv_out[...] = dv.astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(k_own, dk_ref.at[b, own, kv_head])
-            plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[b, own, kv_head])
+            # A column half of the tiles is contiguous in shared memory only 8 rows at a time
+            # (one row of the tiling's 8 x 64 tiles), which TMA needs.
+            rows = 8 if half is not None else bk
+            for r in range(0, bk, rows):
+                at = pl.ds(key0 + r, rows)
+                plgpu.copy_smem_to_gmem(dk_out.at[pl.ds(r, rows)], dk_ref.at[b, at, kv_head])
+                plgpu.copy_smem_to_gmem(dv_out.at[pl.ds(r, rows)], dv_ref.at[b, at, kv_head])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
@@ -270,7 +298,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
         if fused
         else None,
     ]
-    out_type = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
+    out_type = (jax.ShapeDtypeStruct(k.shape[:-1] + (dh,), dtype),) * 2
     grid = (t // keys * b_ * hkv,)
     name = "flash_attention_dkv_dq" if fused else "flash_attention_dkv"
     call = common.kernel_call(name, body, out_type, grid, ("ctas",), scratch, with_refs=fused)

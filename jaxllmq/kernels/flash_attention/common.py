@@ -18,10 +18,13 @@ LOG2E = math.log2(math.e)
 COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 # Running maxima start here, not at -inf, so a row with no visible key in a tile stays finite.
 NO_MAX = -1e30
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 # Where causal forward + backward runs faster than cuDNN's on an H200 (1.14-1.20x at head dim 64,
 # 8 x 2048 to 2 x 8192; at 128 0.96-1.09x, slower at the longest).
 CAUSAL_FASTER_HEAD_DIMS = (64,)
+# The kernel head dims where over packed documents it runs faster than cuDNN's segments (0.49-0.63x
+# their time at 64 and 128; at 256 0.96x at 8 x 2048 and 1.14x at 2 x 8192).
+DOCUMENTS_FASTER_HEAD_DIMS = (64, 128)
 # The query and dO bytes of a dK/dV section: well inside an H200's 50 MB of L2.
 DKV_SECTION_BYTES = 32 << 20
 
@@ -53,6 +56,20 @@ class FlashBlocks:
     # run) instead of dQ's own kernel recomputing S and dP. Head dim 64 only.
     dq_in_dkv: bool = False
 
+    def __post_init__(self):
+        tiles = (self.block_q, self.block_kv, self.dkv_block_kv, self.dkv_block_q)
+        tiles += (self.dq_block_q, self.dq_block_kv)
+        stages = (self.stages, self.dkv_stages, self.dq_stages)
+        if (
+            any(tile <= 0 or tile % 64 for tile in tiles)
+            or min(stages) < 1
+            or (self.dkv_section is not None and self.dkv_section < 0)
+        ):
+            raise ValueError(
+                "flash attention: tiles are positive multiples of 64 (wgmma's least contraction), "
+                f"stages 1 or more and sections 0 or more, not {self}"
+            )
+
 
 def kernel_head_dim(head_dim: int) -> int | None:
     """The head dim the kernels run a head dim at: the least of HEAD_DIMS that holds it (the
@@ -72,12 +89,17 @@ def default_blocks(head_dim: int, deterministic: bool = False) -> FlashBlocks:
     faster at 64) and wait for a step's four loads one by one (1.5-2% faster than on one
     barrier, which is 2.6-2.9% faster at 64). Three forward stages or 192-key forward tiles were
     no faster at 64 and do not fit shared memory at 128."""
-    at_64 = kernel_head_dim(head_dim) == 64
-    if at_64 and not deterministic:
+    kernel_d = kernel_head_dim(head_dim)
+    if kernel_d == 64 and not deterministic:
         return FlashBlocks(dq_in_dkv=True, dkv_overlap=True)
-    if at_64:
+    if kernel_d == 64:
         return FlashBlocks(dkv_block_q=128, dq_block_kv=128)
-    return FlashBlocks(dkv_section=0, dkv_one_ready=False)
+    if kernel_d == 128:
+        return FlashBlocks(dkv_section=0, dkv_one_ready=False)
+    # 256: what fits shared memory (227 KiB) beside the resident [64, 256] tiles, as wgmma's
+    # contractions take 64 elements at least: 64-key forward tiles, and the backward's streamed
+    # tiles single-buffered.
+    return FlashBlocks(block_kv=64, dkv_stages=1, dq_stages=1, dkv_section=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,11 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
     c2 = scale * common.LOG2E
     tr = common.TILE_TRANSFORMS
     work = common.Work(t // rows, b_, hq)
+    # The next item's rows load into a second pair of buffers during this item's steps, where
+    # they fit beside the key/value ring (up to head dim 128); at 256 into the same buffers,
+    # once this item's output has left them.
+    prefetch = d <= 128
+    row_buffers = 4 if prefetch else 2
 
     def body(q_ref, k_ref, v_ref, *rest):
         if vis.bounded:
@@ -34,6 +39,10 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
         k_free, v_free = free
         wg = lax.axis_index("wg")
         mine = work.mine()
+
+        def row_buffer(n):
+            """The buffer of this warpgroup's rows of its n-th item."""
+            return 2 * lax.rem(n, 2) + wg if prefetch else wg
 
         def item_at(n):
             """(b, h, first row, first and last + 1 key tile) of this CTA's n-th item: the
@@ -53,10 +62,10 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
             plgpu.set_max_registers(common.COMPUTE_REGISTERS, action="increase")
 
             def load_rows(n):
-                """The n-th item's query rows (and their first keys) into buffer n % 2."""
+                """The n-th item's query rows (and their first keys) into its buffer."""
                 b, h, first_row, _, _ = item_at(n)
                 own = pl.ds(first_row + wg * bq, bq)
-                buf = 2 * lax.rem(n, 2) + wg
+                buf = row_buffer(n)
                 plgpu.copy_gmem_to_smem(q_ref.at[b, own, h], q_smem.at[buf], rows_ready.at[buf])
                 if vis.bounded:
                     plgpu.copy_gmem_to_smem(
@@ -65,7 +74,7 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
 
             def item(n, before):
                 b, h, first_row, lo, hi = item_at(n)
-                buf = 2 * lax.rem(n, 2) + wg
+                buf = row_buffer(n)
                 row0 = first_row + wg * bq
                 own = pl.ds(row0, bq)
                 if vis.bounded:
@@ -95,12 +104,14 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
                     s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
                     plgpu.barrier_arrive(k_free.at[slot])
 
-                    @pl.when(kb == lo)
-                    def _():
-                        # Once this warpgroup's stores of the item before have left the other
-                        # buffer, the next item's rows load there.
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        pl.when(n + 1 < mine)(lambda: load_rows(n + 1))
+                    if prefetch:
+
+                        @pl.when(kb == lo)
+                        def _():
+                            # Once this warpgroup's stores of the item before have left the
+                            # other buffer, the next item's rows load there.
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            pl.when(n + 1 < mine)(lambda: load_rows(n + 1))
 
                     if masked:
                         r = common.iota((bq, bk), 0) + row0
@@ -159,6 +170,9 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(q_smem.at[buf], o_ref.at[b, own, h])
                 plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, own])
+                if not prefetch:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    pl.when(n + 1 < mine)(lambda: load_rows(n + 1))
                 return before + hi - lo
 
             load_rows(0)
@@ -179,7 +193,7 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
 
     scratch = [
         (
-            plgpu.SMEM((4, bq, d), dtype, transforms=tr),
+            plgpu.SMEM((row_buffers, bq, d), dtype, transforms=tr),
             plgpu.SMEM((stages, bk, d), dtype, transforms=tr),
             plgpu.SMEM((stages, bk, d), dtype, transforms=tr),
             plgpu.SMEM((4, bq), jnp.int32),
