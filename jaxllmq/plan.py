@@ -170,11 +170,12 @@ def _mosaic_attention_faster(model_cfg, devices: int, documents: bool) -> bool:
     from jaxllmq.kernels import flash_attention  # Mosaic GPU's Pallas: where it can run only
 
     head_dim = model_cfg.head_dim
+    if devices != 1:
+        return False
     if documents:
-        return devices == 1 and (
-            flash_attention.kernel_head_dim(head_dim) in flash_attention.DOCUMENTS_FASTER_HEAD_DIMS
-        )
-    return devices == 1 and head_dim in flash_attention.CAUSAL_FASTER_HEAD_DIMS
+        kernel_d = flash_attention.kernel_head_dim(head_dim)
+        return kernel_d in flash_attention.DOCUMENTS_FASTER_HEAD_DIMS
+    return head_dim in flash_attention.CAUSAL_FASTER_HEAD_DIMS
 
 
 def make_plan(
