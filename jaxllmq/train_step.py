@@ -342,7 +342,10 @@ def build(
             ),
             out_shardings=rep,
         )(None if plan.offload.master else params["layers"])
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, fp8=fp8)
+    # The step counter placed as the step returns it: left uncommitted, the second call's input
+    # (the first's output) would differ in type and compile the step again.
+    step = jax.device_put(jnp.zeros((), jnp.int32), rep)
+    state = TrainState(step=step, params=params, opt_state=opt_state, fp8=fp8)
     state_sharding = TrainState(
         step=rep,
         params=param_shardings,
