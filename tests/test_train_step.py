@@ -15,7 +15,9 @@ from jaxllmq.model import hf
 from jaxllmq.model.architecture import preset
 from jaxllmq.model.llama import Llama, abstract_model, params_of
 from jaxllmq.optim import lr_schedule, make_optimizer
-from jaxllmq.settings import OptimConfig
+from jaxllmq.parallel.mesh import make_mesh
+from jaxllmq.plan import plan_for
+from jaxllmq.settings import ModelSpec, OptimConfig
 
 SMALL = dataclasses.replace(preset("tiny"), num_hidden_layers=2, vocab_size=512)
 
@@ -183,3 +185,19 @@ def test_gradients_are_pinned_row_major():
     for layout, shape in pinned:
         ndim = shape.count("x") + 1
         assert [int(d) for d in layout.split(",")] == list(range(ndim))[::-1], (layout, shape)
+
+
+def test_built_train_step_compiles_once():
+    """The state build() returns is placed as the step returns it: a second step with the first's
+    output reuses the compiled step (an uncommitted step counter once compiled it twice a run)."""
+    mesh = make_mesh(1)
+    spec = ModelSpec(model="tiny", from_scratch=True, matmul_dtype="float32", kernels="xla")
+    plan = plan_for(SMALL, spec, mesh)
+    built = train_step.build(SMALL, spec, OptimConfig(), plan, mesh=mesh, total_steps=2, seed=0)
+    batch = jax.device_put(
+        _batch(np.random.default_rng(0), 1, 2, 16, SMALL.vocab_size), built.batch_sharding
+    )
+    state, _ = built.train_step(built.state, batch)
+    state, _ = built.train_step(state, batch)
+    assert int(state.step) == 2
+    assert built.train_step._cache_size() == 1
