@@ -165,17 +165,13 @@ def _mosaic_attention_refusal(model_cfg, dtype, platform, hopper) -> str | None:
 
 def _mosaic_attention_faster(model_cfg, devices: int, documents: bool) -> bool:
     """Whether jaxllmq's flash attention, where it can run, was measured faster than cuDNN's for
-    this model's attention: on one GPU, over packed documents or causal, at the head dims where
-    it was (on several GPUs it runs per device, not yet timed there)."""
+    this model's attention: on one GPU, over packed documents at every head dim it takes, causal
+    at the head dims where it was (on several GPUs it runs per device, not yet timed there)."""
     from jaxllmq.kernels import flash_attention  # Mosaic GPU's Pallas: where it can run only
 
-    head_dim = model_cfg.head_dim
     if devices != 1:
         return False
-    if documents:
-        kernel_d = flash_attention.kernel_head_dim(head_dim)
-        return kernel_d in flash_attention.DOCUMENTS_FASTER_HEAD_DIMS
-    return head_dim in flash_attention.CAUSAL_FASTER_HEAD_DIMS
+    return documents or model_cfg.head_dim in flash_attention.CAUSAL_FASTER_HEAD_DIMS
 
 
 def make_plan(

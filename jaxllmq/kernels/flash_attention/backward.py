@@ -10,7 +10,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jaxllmq.kernels.flash_attention import common
+from jaxllmq.kernels.flash_attention import backward_wide, common
 
 # Shared-memory transforms of fp32 [rows, D] tiles (128-byte swizzled rows of 32 elements), so that
 # stores from wgmma accumulators hit every bank once.
@@ -20,9 +20,10 @@ F32_TILE = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 # turn it was 1.2-1.3x slower than dQ's own kernel, and by column halves, both warpgroups
 # every step, 1.17-1.23x.
 DQ_IN_DKV_HEAD_DIM = 64
-# The largest head dim whose dK and dV one dK/dV kernel forms whole (fp32 [64, D] each, in a
-# compute warpgroup's 232 registers beside the step's scores).
-DKV_HEAD_DIM = 128
+# The largest head dim these kernels take, each compute warpgroup forming its own rows of dK and
+# dV (fp32 [64, D] each, in its 232 registers beside the step's scores) or of dQ; above it,
+# backward_wide's kernels, whose warpgroups split the work by role.
+MAX_NARROW_HEAD_DIM = 128
 
 
 def row_delta(o, do):
@@ -32,37 +33,23 @@ def row_delta(o, do):
 
 
 def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
-    """(dK, dV) [B, T, Hkv, D], and with blocks.dq_in_dkv dQ [B, T, Hq, D] too. Above head dim
-    DKV_HEAD_DIM dK's and dV's fp32 rows do not fit a warpgroup's registers together, so one
-    kernel forms the first half of their columns and another the second, each computing the
-    scores and dP in full."""
-    if q.shape[-1] <= DKV_HEAD_DIM:
-        return _dkv_columns(q, k, v, do, lse, delta, last_row, scale, vis, blocks, None)
-    halves = [
-        _dkv_columns(q, k, v, do, lse, delta, last_row, scale, vis, blocks, half) for half in (0, 1)
-    ]
-    return tuple(jnp.concatenate(parts, axis=-1) for parts in zip(*halves, strict=True))
-
-
-def _dkv_columns(q, k, v, do, lse, delta, last_row, scale, vis, blocks, half):
-    """backward_dkv's kernel, forming dK's and dV's columns of `half` (None: all): a CTA per
+    """(dK, dV) [B, T, Hkv, D], and with blocks.dq_in_dkv dQ [B, T, Hq, D] too: a CTA per
     2 x dkv_block_kv keys of a key head, over the query tiles of every query head of its group
     that see them. The CTAs go section by section of (batch, key head) pairs (dkv_section), and
-    within a section those of the first keys, which the most queries see, start first.
+    within a section those of the first keys, which the most queries see, start first. Above
+    MAX_NARROW_HEAD_DIM, backward_wide's kernel.
 
     dQ in dK/dV: each step both warpgroups put their dS^T in shared memory (a ring of
     ds_buffers) and arrive; the warpgroup whose turn it is (the step's parity) waits for both,
     multiplies the step's dS over both key tiles by K in one product and adds the fp32 result
     into dQ / scale by TMA's reduce-add, while the other goes on. Both meet once at the end,
     before dK and dV overwrite the key tiles."""
+    if q.shape[-1] > MAX_NARROW_HEAD_DIM:
+        return backward_wide.backward_dkv_wide(
+            q, k, v, do, lse, delta, last_row, scale=scale, vis=vis, blocks=blocks
+        )
     fused = blocks.dq_in_dkv
     b_, t, hq, d = q.shape
-    dh = d if half is None else d // 2  # the columns of dK and dV formed
-
-    def out_cols(ref):
-        """ref's columns of dK and dV formed here."""
-        return ref if half is None else ref.at[:, pl.ds(half * dh, dh)]
-
     if fused and d != DQ_IN_DKV_HEAD_DIM:
         raise ValueError(
             f"flash attention: dq_in_dkv takes head dim {DQ_IN_DKV_HEAD_DIM} only, not {d}"
@@ -117,7 +104,7 @@ def _dkv_columns(q, k, v, do, lse, delta, last_row, scale, vis, blocks, half):
             unmasked_from, unmasked_to = common.unmasked_query_tiles(
                 lr_ref, b, key0, bk, bq, hi, vis
             )
-            zeros = common.zeros((bk, dh))
+            zeros = common.zeros((bk, d))
 
             def share_ds(i, ds16):
                 met, _ = turns
@@ -155,18 +142,10 @@ def _dkv_columns(q, k, v, do, lse, delta, last_row, scale, vis, blocks, half):
                 do_t = do_smem.at[slot].transpose((1, 0))
 
                 def probabilities(s_t):
-                    s_t = s_t * c2
-                    lse_c = lax.broadcast_in_dim(common.col(lse_smem.at[slot]), (bk, bq), [1])
-                    p_t = jnp.exp2(s_t - lse_c)
-                    if masked:
-                        j = common.iota((bk, bq), 0) + key0
-                        r = common.iota((bk, bq), 1) + qb * bq
-                        ok = j <= r
-                        if vis.bounded:
-                            last = common.row(lr_smem.at[wg])
-                            ok = ok & (r <= lax.broadcast_in_dim(last, (bk, bq), [0]))
-                        p_t = jnp.where(ok, p_t, 0.0)
-                    return p_t
+                    lr = lr_smem.at[wg] if vis.bounded else None
+                    return common.key_probabilities(
+                        s_t, lse_smem.at[slot], c2, key0, qb * bq, masked, lr
+                    )
 
                 def d_scores(p_t, dp_t):
                     delta_c = lax.broadcast_in_dim(common.col(delta_smem.at[slot]), (bk, bq), [1])
@@ -186,9 +165,9 @@ def _dkv_columns(q, k, v, do, lse, delta, last_row, scale, vis, blocks, half):
                     p16 = p_t.astype(dtype)
 
                     def dv_dk(refs):
-                        plgpu.wgmma(refs[0], p16, out_cols(do_smem.at[slot]))
+                        plgpu.wgmma(refs[0], p16, do_smem.at[slot])
                         ds16 = d_scores(p_t, dp_t)
-                        plgpu.wgmma(refs[1], ds16, out_cols(q_smem.at[slot]))
+                        plgpu.wgmma(refs[1], ds16, q_smem.at[slot])
                         if fused:  # under dK's product
                             share_ds(i, ds16)
 
@@ -203,14 +182,14 @@ def _dkv_columns(q, k, v, do, lse, delta, last_row, scale, vis, blocks, half):
                     p16 = p_t.astype(dtype)
 
                     def dv_dp(refs):
-                        plgpu.wgmma(refs[0], p16, out_cols(do_smem.at[slot]))
+                        plgpu.wgmma(refs[0], p16, do_smem.at[slot])
                         plgpu.wgmma(refs[1], v_smem.at[wg], do_t)
 
                     dv, dp_t = common.accumulate(dv_dp, (dv, common.zeros((bk, bq))))
                     ds16 = d_scores(p_t, dp_t)
 
                     def dk_step(refs):
-                        plgpu.wgmma(refs[0], ds16, out_cols(q_smem.at[slot]))
+                        plgpu.wgmma(refs[0], ds16, q_smem.at[slot])
                         if fused:  # under dK's product
                             share_ds(i, ds16)
 
@@ -237,43 +216,31 @@ def _dkv_columns(q, k, v, do, lse, delta, last_row, scale, vis, blocks, half):
             if fused:  # the other's last dQ product has read both key tiles
                 plgpu.barrier_arrive(turns[1])
                 plgpu.barrier_wait(turns[1])
-            dk_out, dv_out = out_cols(k_own), out_cols(v_smem.at[wg])
-            dk_out[...] = (dk * scale).astype(dtype)
-            dv_out[...] = dv.astype(dtype)
+            k_own[...] = (dk * scale).astype(dtype)
+            v_smem.at[wg][...] = dv.astype(dtype)
             plgpu.commit_smem()
-            # A column half of the tiles is contiguous in shared memory only 8 rows at a time
-            # (one row of the tiling's 8 x 64 tiles), which TMA needs.
-            rows = 8 if half is not None else bk
-            for r in range(0, bk, rows):
-                at = pl.ds(key0 + r, rows)
-                plgpu.copy_smem_to_gmem(dk_out.at[pl.ds(r, rows)], dk_ref.at[b, at, kv_head])
-                plgpu.copy_smem_to_gmem(dv_out.at[pl.ds(r, rows)], dv_ref.at[b, at, kv_head])
+            plgpu.copy_smem_to_gmem(k_own, dk_ref.at[b, own, kv_head])
+            plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[b, own, kv_head])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(common.MEMORY_REGISTERS, action="decrease")
 
-            @pl.loop(0, group * per_head)
-            def _(i):
-                h = kv_head * group + lax.div(i, per_head)
-                qb = lo + lax.rem(i, per_head)
-                slot = lax.rem(i, stages)
-                rows = pl.ds(qb * bq, bq)
-
-                @pl.when(i >= stages)
-                def _():
-                    plgpu.barrier_wait(free.at[slot])
-
-                loads = (
-                    (q_ref.at[b, rows, h], q_smem),
-                    (do_ref.at[b, rows, h], do_smem),
-                    (lse_ref.at[b, h, rows], lse_smem),
-                    (delta_ref.at[b, h, rows], delta_smem),
-                )
-                for n, (src, dst) in enumerate(loads):
-                    barrier = ready.at[slot * ready_per_slot + n % ready_per_slot]
-                    plgpu.copy_gmem_to_smem(src, dst.at[slot], barrier)
+            rows = (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem)
+            common.stream_query_tiles(
+                *rows,
+                ready,
+                free,
+                b,
+                kv_head * group,
+                group,
+                lo,
+                per_head,
+                bq,
+                stages,
+                ready_per_slot,
+            )
 
     scratch = [
         (
@@ -298,7 +265,7 @@ def _dkv_columns(q, k, v, do, lse, delta, last_row, scale, vis, blocks, half):
         if fused
         else None,
     ]
-    out_type = (jax.ShapeDtypeStruct(k.shape[:-1] + (dh,), dtype),) * 2
+    out_type = (jax.ShapeDtypeStruct(k.shape, dtype),) * 2
     grid = (t // keys * b_ * hkv,)
     name = "flash_attention_dkv_dq" if fused else "flash_attention_dkv"
     call = common.kernel_call(name, body, out_type, grid, ("ctas",), scratch, with_refs=fused)
@@ -313,7 +280,11 @@ def _dkv_columns(q, k, v, do, lse, delta, last_row, scale, vis, blocks, half):
 def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):
     """dQ [B, T, Hq, D]: a CTA per 2 x dq_block_q rows of a query head, over the key tiles
     they see (dq_block_kv keys a step). The CTAs of the last rows, which see the most keys,
-    start first."""
+    start first. Above MAX_NARROW_HEAD_DIM, backward_wide's kernel."""
+    if q.shape[-1] > MAX_NARROW_HEAD_DIM:
+        return backward_wide.backward_dq_wide(
+            q, k, v, do, lse, delta, first_key, scale=scale, vis=vis, blocks=blocks
+        )
     b_, t, hq, d = q.shape
     group = hq // k.shape[2]
     bq, bk, stages = blocks.dq_block_q, blocks.dq_block_kv, blocks.dq_stages
@@ -343,18 +314,9 @@ def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):
             plgpu.set_max_registers(common.COMPUTE_REGISTERS, action="increase")
             row0 = first_row + wg * bq
             own = pl.ds(row0, bq)
-            copies = [
-                (q_ref.at[b, own, h], q_smem.at[wg]),
-                (do_ref.at[b, own, h], do_smem.at[wg]),
-                (lse_ref.at[b, h, own], lse_smem.at[wg]),
-                (delta_ref.at[b, h, own], delta_smem.at[wg]),
-            ]
-            if vis.bounded:
-                copies.append((fk_ref.at[b, own], fk_smem.at[wg]))
-            for n, (src, dst) in enumerate(copies):
-                plgpu.copy_gmem_to_smem(src, dst, own_ready.at[5 * wg + n])
-            for n in range(len(copies)):
-                plgpu.barrier_wait(own_ready.at[5 * wg + n])
+            gmem = (q_ref, do_ref, lse_ref, delta_ref) + ((fk_ref,) if vis.bounded else ())
+            smem = [buf.at[wg] for buf in (q_smem, do_smem, lse_smem, delta_smem, fk_smem)]
+            common.load_query_rows(gmem, smem, b, own, h, own_ready.at[pl.ds(5 * wg, 5)])
             own_hi = lax.div(row0 + bq + bk - 1, bk)
             unmasked = common.unmasked_key_tiles(fk_ref, b, row0, bq, bk, lo, own_hi, vis)
             lse_r = lax.broadcast_in_dim(common.row(lse_smem.at[wg]), (bq, bk), [0])
@@ -372,17 +334,10 @@ def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):
 
                 zero = common.zeros((bq, bk))
                 s, dp = common.accumulate(s_dp, (zero, zero))
-                p = jnp.exp2(s * c2 - lse_r)
-                if masked:
-                    r = common.iota((bq, bk), 0) + row0
-                    c = common.iota((bq, bk), 1) + kb * bk
-                    ok = c <= r
-                    if vis.bounded:
-                        ok = ok & (
-                            c >= lax.broadcast_in_dim(common.row(fk_smem.at[wg]), (bq, bk), [0])
-                        )
-                    p = jnp.where(ok, p, 0.0)
-                ds16 = (p * (dp - delta_r)).astype(dtype)
+                fk = fk_smem.at[wg] if vis.bounded else None
+                ds16 = common.query_d_scores(
+                    s, dp, lse_r, delta_r, c2, row0, kb * bk, masked, fk, dtype
+                )
 
                 def dq_step(refs):
                     plgpu.wgmma(refs[0], ds16, k_smem.at[slot])

@@ -20,11 +20,8 @@ COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 NO_MAX = -1e30
 HEAD_DIMS = (64, 128, 256)
 # Where causal forward + backward runs faster than cuDNN's on an H200 (1.14-1.20x at head dim 64,
-# 8 x 2048 to 2 x 8192; at 128 0.96-1.09x, slower at the longest).
+# 8 x 2048 to 2 x 8192; at 128 0.96-1.09x and at 256 0.93-1.00x, slower at the longest).
 CAUSAL_FASTER_HEAD_DIMS = (64,)
-# The kernel head dims where over packed documents it runs faster than cuDNN's segments (0.49-0.63x
-# their time at 64 and 128; at 256 0.96x at 8 x 2048 and 1.14x at 2 x 8192).
-DOCUMENTS_FASTER_HEAD_DIMS = (64, 128)
 # The query and dO bytes of a dK/dV section: well inside an H200's 50 MB of L2.
 DKV_SECTION_BYTES = 32 << 20
 
@@ -96,10 +93,12 @@ def default_blocks(head_dim: int, deterministic: bool = False) -> FlashBlocks:
         return FlashBlocks(dkv_block_q=128, dq_block_kv=128)
     if kernel_d == 128:
         return FlashBlocks(dkv_section=0, dkv_one_ready=False)
-    # 256: what fits shared memory (227 KiB) beside the resident [64, 256] tiles, as wgmma's
-    # contractions take 64 elements at least: 64-key forward tiles, and the backward's streamed
-    # tiles single-buffered.
-    return FlashBlocks(block_kv=64, dkv_stages=1, dq_stages=1, dkv_section=0)
+    # 256: 64-key forward tiles, which fit shared memory (227 KiB) beside the forward's resident
+    # [64, 256] query rows (wgmma contracts over 64 elements at least, so tiles cannot shrink
+    # below that); the backward's kernels split their warpgroups by role and hold one
+    # warpgroup's tiles, so two stages fit (forward + backward: dK/dV single-buffered was
+    # 1.09-1.12x slower, dQ's kernel of two warpgroups' rows, single-buffered, 1.13-1.18x).
+    return FlashBlocks(block_kv=64, dkv_stages=2, dq_stages=2, dkv_section=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +257,75 @@ def stream_key_tiles(rings, b, kv_head, lo, hi, bk, stages, before=0):
                     plgpu.barrier_wait(free.at[slot])
 
             plgpu.copy_gmem_to_smem(ref.at[tile], smem.at[slot], ready.at[slot])
+
+
+def key_probabilities(s_t, lse_ref, c2, key0, row0, masked, last_row_ref):
+    """P^T [keys, rows] fp32 of the scores S^T of keys key0.. and query rows row0.. (lse_ref:
+    the rows' logsumexp); `masked`: zero where a row does not see a key, causally and (with
+    last_row_ref, the keys' last rows) past the key's last row."""
+    keys, rows = s_t.shape
+    lse_c = lax.broadcast_in_dim(col(lse_ref), (keys, rows), [1])
+    p_t = jnp.exp2(s_t * c2 - lse_c)
+    if masked:
+        j = iota((keys, rows), 0) + key0
+        r = iota((keys, rows), 1) + row0
+        ok = j <= r
+        if last_row_ref is not None:
+            last = lax.broadcast_in_dim(row(last_row_ref), (keys, rows), [0])
+            ok = ok & (r <= last)
+        p_t = jnp.where(ok, p_t, 0.0)
+    return p_t
+
+
+def stream_query_tiles(
+    gmem, smem, ready, free, b, first_head, heads, lo, per_head, bq, stages, ready_per_slot=1
+):
+    """The memory warpgroup's loop of the dK/dV kernels: query tiles lo.. lo + per_head - 1 of
+    `heads` query heads from first_head, bq rows each: per tile its rows of each of `gmem` (the
+    queries and dO [B, T, H, D], then lse and delta [B, H, T]) into a ring of `stages` slots of `smem`, onto a slot's
+    ready_per_slot barriers in turn; a slot refilled once its free barrier says so."""
+
+    @pl.loop(0, heads * per_head)
+    def _(i):
+        h = first_head + lax.div(i, per_head)
+        rows = pl.ds((lo + lax.rem(i, per_head)) * bq, bq)
+        slot = lax.rem(i, stages)
+
+        @pl.when(i >= stages)
+        def _():
+            plgpu.barrier_wait(free.at[slot])
+
+        for n, (src, dst) in enumerate(zip(gmem, smem, strict=True)):
+            tile = src.at[b, rows, h] if n < 2 else src.at[b, h, rows]
+            barrier = ready.at[slot * ready_per_slot + n % ready_per_slot]
+            plgpu.copy_gmem_to_smem(tile, dst.at[slot], barrier)
+
+
+def load_query_rows(gmem, smem, b, rows, h, barriers):
+    """A dQ kernel's own rows of `gmem` (the queries and dO [B, T, H, D], lse and delta
+    [B, H, T], and first_key [B, T] if there is one) into `smem`, each onto one of `barriers`;
+    waits for them all."""
+    for n, (src, dst) in enumerate(zip(gmem, smem[: len(gmem)], strict=True)):
+        tile = src.at[b, rows, h] if n < 2 else src.at[b, h, rows] if n < 4 else src.at[b, rows]
+        plgpu.copy_gmem_to_smem(tile, dst, barriers.at[n])
+    for n in range(len(gmem)):
+        plgpu.barrier_wait(barriers.at[n])
+
+
+def query_d_scores(s, dp, lse_r, delta_r, c2, row0, key0, masked, first_key_ref, dtype):
+    """dS [rows, keys] in `dtype` from the scores S and dP of query rows row0.. and keys
+    key0.. (lse_r, delta_r: the rows' logsumexp and delta broadcast along the keys); `masked`:
+    zero where a row does not see a key, causally and (with first_key_ref, the rows' first
+    keys) before the row's first key."""
+    p = jnp.exp2(s * c2 - lse_r)
+    if masked:
+        r = iota(s.shape, 0) + row0
+        c = iota(s.shape, 1) + key0
+        ok = c <= r
+        if first_key_ref is not None:
+            ok = ok & (c >= lax.broadcast_in_dim(row(first_key_ref), s.shape, [0]))
+        p = jnp.where(ok, p, 0.0)
+    return (p * (dp - delta_r)).astype(dtype)
 
 
 def unmasked_key_tiles(fk_ref, b, row0, rows, bk, lo, hi, vis: Visibility):
