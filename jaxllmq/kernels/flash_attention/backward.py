@@ -67,9 +67,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     dtype = q.dtype
     c2 = scale * common.LOG2E
     tr = common.TILE_TRANSFORMS
-    section = blocks.dkv_section
-    if section is None:
-        section = max(1, common.DKV_SECTION_BYTES // (2 * group * t * d * q.dtype.itemsize))
+    section = common.dkv_pairs_per_section(blocks, q.shape, group, q.dtype)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         rest = list(rest)

@@ -12,7 +12,7 @@ from jax import lax
 
 from jaxllmq.kernels.flash_attention import common
 
-# dS^T tiles in flight from the scores warpgroup to the dK one.
+# dS (or dS^T) tiles in flight from the scores warpgroup to the other.
 DS_BUFFERS = 2
 
 
@@ -40,9 +40,10 @@ def _store(acc, smem, dst):
 
 def backward_dkv_wide(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     """(dK, dV) [B, T, Hkv, D]: a CTA per dkv_block_kv keys of a key head, over the query
-    tiles of every query head of its group that see them. A compute warpgroup's fp32 dK and dV
-    rows ([64, D] each) do not fit its registers together, so the two split the work by role:
-    the scores warpgroup forms S^T and dP^T, P^T and dS^T, and adds P^T dO into dV; it puts dS^T
+    tiles of every query head of its group that see them, section by section of (batch, key
+    head) pairs as backward.backward_dkv's. A compute warpgroup's fp32 dK and dV rows ([64, D]
+    each) do not fit its registers together, so the two split the work by role: the scores
+    warpgroup forms S^T and dP^T, P^T and dS^T, and adds P^T dO into dV; it puts dS^T
     in shared memory (a ring of DS_BUFFERS), from which the other adds dS^T Q into dK. Four
     products a step, where forming dK's and dV's column halves in two kernels made six."""
     b_, t, hq, d = q.shape
@@ -52,15 +53,14 @@ def backward_dkv_wide(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     dtype = q.dtype
     c2 = scale * common.LOG2E
     tr = common.TILE_TRANSFORMS
+    section = common.dkv_pairs_per_section(blocks, q.shape, group, dtype)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         rest = list(rest)
         lr_ref = rest.pop(0) if vis.bounded else None
         dk_ref, dv_ref, smem, ready, free, kv_ready, ds_ready, ds_free = rest
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, lr_smem, ds_smem = smem
-        rank, pair = common.section_order(
-            lax.axis_index("ctas"), t // bk, b_ * hkv, blocks.dkv_section or 0
-        )
+        rank, pair = common.section_order(lax.axis_index("ctas"), t // bk, b_ * hkv, section)
         b, kv_head = lax.div(pair, hkv), lax.rem(pair, hkv)
         key0 = rank * bk
         own = pl.ds(key0, bk)
@@ -120,7 +120,6 @@ def backward_dkv_wide(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                     # dS^T under dV's product, once the dK warpgroup has read the buffer's last.
                     delta_c = lax.broadcast_in_dim(common.col(delta_smem.at[slot]), (bk, bq), [1])
                     ds16 = (p_t * (dp_t - delta_c)).astype(dtype)
-
                     _send_ds(i, ds16, ds_smem, ds_ready, ds_free)
 
                 (dv,) = common.accumulate(dv_step, (dv,))

@@ -236,6 +236,15 @@ def section_order(index, ranks: int, pairs: int, section: int):
     return lax.div(within, size), first_pair + lax.rem(within, size)
 
 
+def dkv_pairs_per_section(blocks: FlashBlocks, q_shape, group: int, dtype) -> int:
+    """The (batch, key head) pairs of a dK/dV kernel's section: blocks.dkv_section, or (None)
+    as many as DKV_SECTION_BYTES of their queries and dO hold."""
+    if blocks.dkv_section is not None:
+        return blocks.dkv_section
+    _, t, _, d = q_shape
+    return max(1, DKV_SECTION_BYTES // (2 * group * t * d * jnp.dtype(dtype).itemsize))
+
+
 def stream_key_tiles(rings, b, kv_head, lo, hi, bk, stages, before=0):
     """The memory warpgroup's loop of the forward and dQ kernels: key tiles lo.. hi - 1 of
     (b, kv_head), bk keys each, by TMA into rings of `stages` slots. `before`: the tiles streamed
