@@ -42,7 +42,7 @@ flags.DEFINE_bool(
     "kernels_apart",
     False,
     "Also time ours' kernels apart (forward, dK/dV, and dQ unless dK/dV adds it up; causal, "
-    "default tiles; head dims 64 and 128): where the time goes.",
+    "default tiles): where the time goes.",
 )
 
 
