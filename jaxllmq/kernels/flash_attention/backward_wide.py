@@ -12,22 +12,26 @@ from jax import lax
 
 from jaxllmq.kernels.flash_attention import common
 
-# dS (or dS^T) tiles in flight from the scores warpgroup to the other.
+# dS tiles in flight from dQ's scores warpgroup to the other.
 DS_BUFFERS = 2
+# Tiles of P^T and of dP^T - delta in flight between dK/dV's warpgroups (one each: two of
+# each do not fit shared memory beside two stages of query rows and dO).
+TRADE_BUFFERS = 1
 
 
-def _send_ds(i, ds16, ds_smem, ds_ready, ds_free):
-    """The scores warpgroup's step i: dS (or dS^T) into its ring buffer, once the other
-    warpgroup has read what step i - DS_BUFFERS left there."""
-    buf = lax.rem(i, DS_BUFFERS)
+def _send(i, tile, smem, ready, free):
+    """A warpgroup's step i: `tile` into its ring buffer of `smem` (smem.shape[0] of them),
+    once the other warpgroup has read what the step a ring before left there."""
+    buffers = smem.shape[0]
+    buf = lax.rem(i, buffers)
 
-    @pl.when(i >= DS_BUFFERS)
+    @pl.when(i >= buffers)
     def _():
-        plgpu.barrier_wait(ds_free.at[buf])
+        plgpu.barrier_wait(free.at[buf])
 
-    ds_smem.at[buf][...] = ds16
+    smem.at[buf][...] = tile
     plgpu.commit_smem()
-    plgpu.barrier_arrive(ds_ready.at[buf])
+    plgpu.barrier_arrive(ready.at[buf])
 
 
 def _store(acc, smem, dst):
@@ -42,10 +46,11 @@ def backward_dkv_wide(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     """(dK, dV) [B, T, Hkv, D]: a CTA per dkv_block_kv keys of a key head, over the query
     tiles of every query head of its group that see them, section by section of (batch, key
     head) pairs as backward.backward_dkv's. A compute warpgroup's fp32 dK and dV rows ([64, D]
-    each) do not fit its registers together, so the two split the work by role: the scores
-    warpgroup forms S^T and dP^T, P^T and dS^T, and adds P^T dO into dV; it puts dS^T
-    in shared memory (a ring of DS_BUFFERS), from which the other adds dS^T Q into dK. Four
-    products a step, where forming dK's and dV's column halves in two kernels made six."""
+    each) do not fit its registers together, so the two split the work by role, two products
+    a step each: one forms S^T and P^T, and adds dS^T Q into dK; the other forms dP^T and
+    adds P^T dO into dV. They trade halves through shared memory: P^T (in bf16, as dV's
+    product takes it) to the dV warpgroup, dP^T - delta (in fp32, so dS^T is rounded once, as
+    in the other kernels) to the dK warpgroup."""
     b_, t, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv
@@ -58,8 +63,8 @@ def backward_dkv_wide(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         rest = list(rest)
         lr_ref = rest.pop(0) if vis.bounded else None
-        dk_ref, dv_ref, smem, ready, free, kv_ready, ds_ready, ds_free = rest
-        k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, lr_smem, ds_smem = smem
+        dk_ref, dv_ref, smem, ready, free, kv_ready, p_ready, p_free, x_ready, x_free = rest
+        k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, lr_smem, p_smem, x_smem = smem
         rank, pair = common.section_order(lax.axis_index("ctas"), t // bk, b_ * hkv, section)
         b, kv_head = lax.div(pair, hkv), lax.rem(pair, hkv)
         key0 = rank * bk
@@ -87,69 +92,73 @@ def backward_dkv_wide(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
 
             return lax.fori_loop(0, group, head, zeros)
 
+        def transposed_scores(a_smem, rows_smem):
+            """[keys, rows] fp32: a_smem (this CTA's K or V) times rows_smem (a slot of query
+            rows or dO), transposed."""
+
+            def product(acc):
+                plgpu.wgmma(acc, a_smem, rows_smem.transpose((1, 0)))
+                return acc[...]
+
+            return pl.run_scoped(product, plgpu.ACC((bk, bq), jnp.float32))
+
         @pl.when(wg == 0)
-        def _scores():
+        def _dk():
             plgpu.set_max_registers(common.COMPUTE_REGISTERS, action="increase")
             plgpu.copy_gmem_to_smem(k_ref.at[b, own, kv_head], k_smem, kv_ready.at[0])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, own, kv_head], v_smem, kv_ready.at[1])
             if vis.bounded:
                 plgpu.copy_gmem_to_smem(lr_ref.at[b, own], lr_smem, kv_ready.at[2])
                 plgpu.barrier_wait(kv_ready.at[2])
             plgpu.barrier_wait(kv_ready.at[0])
+
+            def step(i, dk, qb, masked):
+                slot, buf = lax.rem(i, stages), lax.rem(i, TRADE_BUFFERS)
+                plgpu.barrier_wait(ready.at[slot])
+                s_t = transposed_scores(k_smem, q_smem.at[slot])
+                lr = lr_smem if vis.bounded else None
+                p_t = common.key_probabilities(
+                    s_t, lse_smem.at[slot], c2, key0, qb * bq, masked, lr
+                )
+                _send(i, p_t.astype(dtype), p_smem, p_ready, p_free)
+                plgpu.barrier_wait(x_ready.at[buf])
+                ds16 = (p_t * common.tile(x_smem.at[buf])).astype(dtype)
+                plgpu.barrier_arrive(x_free.at[buf])
+
+                def dk_step(refs):
+                    plgpu.wgmma(refs[0], ds16, q_smem.at[slot])
+
+                (dk,) = common.accumulate(dk_step, (dk,))
+                plgpu.barrier_arrive(free.at[slot])
+                return dk
+
+            dk = head_steps(step)
+            _store(dk * scale, k_smem, dk_ref.at[b, own, kv_head])
+
+        @pl.when(wg == 1)
+        def _dv():
+            plgpu.set_max_registers(common.COMPUTE_REGISTERS, action="increase")
+            plgpu.copy_gmem_to_smem(v_ref.at[b, own, kv_head], v_smem, kv_ready.at[1])
             plgpu.barrier_wait(kv_ready.at[1])
 
             def step(i, dv, qb, masked):
-                slot = lax.rem(i, stages)
+                del qb, masked
+                slot, buf = lax.rem(i, stages), lax.rem(i, TRADE_BUFFERS)
                 plgpu.barrier_wait(ready.at[slot])
-
-                def st_dpt(s_ref, dp_ref):
-                    plgpu.wgmma(s_ref, k_smem, q_smem.at[slot].transpose((1, 0)))
-                    plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))
-                    s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # dP^T in flight
-                    lr = lr_smem if vis.bounded else None
-                    p_t = common.key_probabilities(
-                        s_t, lse_smem.at[slot], c2, key0, qb * bq, masked, lr
-                    )
-                    return p_t, dp_ref[...]
-
-                scores = plgpu.ACC((bk, bq), jnp.float32)
-                p_t, dp_t = pl.run_scoped(st_dpt, scores, scores)
+                delta_c = lax.broadcast_in_dim(common.col(delta_smem.at[slot]), (bk, bq), [1])
+                dp_t = transposed_scores(v_smem, do_smem.at[slot])
+                _send(i, dp_t - delta_c, x_smem, x_ready, x_free)
+                plgpu.barrier_wait(p_ready.at[buf])
 
                 def dv_step(refs):
-                    plgpu.wgmma(refs[0], p_t.astype(dtype), do_smem.at[slot])
-                    # dS^T under dV's product, once the dK warpgroup has read the buffer's last.
-                    delta_c = lax.broadcast_in_dim(common.col(delta_smem.at[slot]), (bk, bq), [1])
-                    ds16 = (p_t * (dp_t - delta_c)).astype(dtype)
-                    _send_ds(i, ds16, ds_smem, ds_ready, ds_free)
+                    plgpu.wgmma(refs[0], p_smem.at[buf], do_smem.at[slot])
 
                 (dv,) = common.accumulate(dv_step, (dv,))
+                plgpu.barrier_arrive(p_free.at[buf])
                 plgpu.barrier_arrive(free.at[slot])
                 return dv
 
             dv = head_steps(step)
             _store(dv, v_smem, dv_ref.at[b, own, kv_head])
-
-        @pl.when(wg == 1)
-        def _dk():
-            plgpu.set_max_registers(common.COMPUTE_REGISTERS, action="increase")
-
-            def step(i, dk, qb, masked):
-                del qb, masked
-                slot, buf = lax.rem(i, stages), lax.rem(i, DS_BUFFERS)
-                plgpu.barrier_wait(ready.at[slot])
-                plgpu.barrier_wait(ds_ready.at[buf])
-
-                def dk_step(refs):
-                    plgpu.wgmma(refs[0], ds_smem.at[buf], q_smem.at[slot])
-
-                (dk,) = common.accumulate(dk_step, (dk,))
-                plgpu.barrier_arrive(ds_free.at[buf])
-                plgpu.barrier_arrive(free.at[slot])
-                return dk
-
-            dk = head_steps(step)
-            # The scores warpgroup's last S^T (before its last dS^T) has read the key tile.
-            _store(dk * scale, k_smem, dk_ref.at[b, own, kv_head])
 
         @pl.when(wg == 2)
         def _memory():
@@ -169,13 +178,16 @@ def backward_dkv_wide(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((bk,), jnp.int32) if vis.bounded else None,
-            plgpu.SMEM((DS_BUFFERS, bk, bq), dtype, transforms=tr),
+            plgpu.SMEM((TRADE_BUFFERS, bk, bq), dtype, transforms=tr),
+            plgpu.SMEM((TRADE_BUFFERS, bk, bq), jnp.float32, transforms=common.FP32_TRANSFORMS),
         ),
         plgpu.Barrier(num_arrivals=4, num_barriers=stages),  # a slot's four loads in
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both warpgroups done with a slot
         plgpu.Barrier(num_barriers=3),
-        plgpu.Barrier(num_barriers=DS_BUFFERS),  # dS^T written
-        plgpu.Barrier(num_barriers=DS_BUFFERS),  # dS^T read
+        plgpu.Barrier(num_barriers=TRADE_BUFFERS),  # P^T written
+        plgpu.Barrier(num_barriers=TRADE_BUFFERS),  # P^T read
+        plgpu.Barrier(num_barriers=TRADE_BUFFERS),  # dP^T - delta written
+        plgpu.Barrier(num_barriers=TRADE_BUFFERS),  # dP^T - delta read
     ]
     out_type = (jax.ShapeDtypeStruct(k.shape, dtype),) * 2
     grid = (t // bk * b_ * hkv,)
@@ -244,7 +256,7 @@ def backward_dq_wide(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):
                 ds16 = common.query_d_scores(
                     s, dp, lse_r, delta_r, c2, row0, kb * bk, masked, fk, dtype
                 )
-                _send_ds(i, ds16, ds_smem, ds_ready, ds_free)
+                _send(i, ds16, ds_smem, ds_ready, ds_free)
                 plgpu.barrier_arrive(free.at[slot])  # the dQ warpgroup frees it as well
                 return carry
 

@@ -116,6 +116,8 @@ class Visibility:
 
 # Shared-memory transforms of [rows, D] tiles (D >= 64 elements of 16 bits: 128-byte rows).
 TILE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+# And of fp32 tiles, 32 elements to a 128-byte row.
+FP32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
 # jax 0.10's plgpu.load takes an index (here none: the whole ref); later versions deprecate it.
@@ -135,6 +137,11 @@ def row(ref):
 def col(ref):
     """A [cols] vector in shared memory, laid out along the columns of a wgmma accumulator."""
     return plgpu.load(ref, *_LOAD_INDEX, layout=plgpu.Layout.WGMMA.reduce(0))
+
+
+def tile(ref):
+    """A [rows, cols] tile in shared memory, laid out as a wgmma accumulator."""
+    return plgpu.load(ref, *_LOAD_INDEX, layout=plgpu.Layout.WGMMA)
 
 
 def iota(shape, dim):
