@@ -11,9 +11,10 @@ import os
 from jaxllmq import dtypes
 from jaxllmq.data.pack import check_packed_for
 from jaxllmq.data.shards import expand_files
+from jaxllmq.documents import DOCUMENTS_PER_WINDOW
 from jaxllmq.kernels import parse_kernels
 from jaxllmq.model.architecture import PRESETS, ModelConfig
-from jaxllmq.model.attention import ATTENTION_IMPLS, DOCUMENTS_PER_WINDOW
+from jaxllmq.model.attention import ATTENTION_IMPLS
 from jaxllmq.model.recompute import Recompute
 from jaxllmq.offload import Offload
 from jaxllmq.setting import DTYPE_SPELLINGS, Resume, SettingError, Settings, section, setting

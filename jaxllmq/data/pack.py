@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from jaxllmq.model.attention import DOCUMENTS_PER_WINDOW
+from jaxllmq.documents import DOCUMENTS_PER_WINDOW
 from jaxllmq.setting import SettingError, Settings, setting
 
 PACK_FILE = "pack.json"

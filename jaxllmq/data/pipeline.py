@@ -36,7 +36,7 @@ from grain.experimental import index_shuffle
 
 from jaxllmq.data.shards import Shard, ShardError, check_vocab_size, expand_files, open_shard
 from jaxllmq.data.validate import Note, check_shards, name_files
-from jaxllmq.model.attention import DOCUMENTS_PER_WINDOW
+from jaxllmq.documents import DOCUMENTS_PER_WINDOW
 
 # Bytes read from each end of a data file for the CRC-32 a saved data position records.
 _SAMPLE_BYTES = 1 << 20

@@ -23,14 +23,6 @@ from jaxllmq.parallel.mesh import BATCH_AXES, TENSOR
 
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "mosaic")
 
-# cuDNN's packed attention costs per segment slot, used or not, in time and in its backward's
-# workspace (which grows with segments x tokens). On one H200, the 1B's attention forward +
-# backward at 8 x 2048: 8 slots 1.19 ms, 32 slots 1.88, 128 slots 4.52, against 1.67 for causal
-# attention over whole windows; at 2 x 8192: 32 slots 2.0 ms, 128 slots 4.3, against 4.9. Its
-# whole step at 2 x 8192: 1.20x the causal step's tokens/s with 32 slots and 3.3 GiB more, 1.09x
-# with 128 slots and 30 GiB more.
-DOCUMENTS_PER_WINDOW = 32
-
 
 def same_document(segment_ids_BxT: jax.Array) -> jax.Array:
     """The attention mask [B, 1, T, T] of packed documents: query and key in one segment."""

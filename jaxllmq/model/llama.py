@@ -21,16 +21,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
+from jaxllmq.documents import DOCUMENTS_PER_WINDOW
 from jaxllmq.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_tee
 from jaxllmq.model import fp8, fp8_delayed, gemma
 from jaxllmq.model.architecture import ModelConfig
-from jaxllmq.model.attention import (
-    DOCUMENTS_PER_WINDOW,
-    Documents,
-    attend,
-    documents_for,
-    resolve_attention,
-)
+from jaxllmq.model.attention import Documents, attend, documents_for, resolve_attention
 from jaxllmq.model.kv_cache import KVCache
 from jaxllmq.model.qkv_grads import can_fuse_qkv_grads, shared_input_matmuls
 from jaxllmq.model.recompute import ATT, FFN, NORM, QKV, RESID, SWIGLU, Recompute
