@@ -216,3 +216,16 @@ def test_quickstart_is_deterministic_and_fits_the_tiny_model(tmp_path):
     assert data.vocab_size == 512
     assert data.validate(8192, note=lambda _: None) > 0  # the tiny preset's vocab
     assert tok.decode(next(data)["inputs"][0, 0].tolist())  # real text comes back
+
+
+def test_prepare_and_its_workers_import_no_jax():
+    """Tokenizing needs no jax, and importing it cost each process (the CLI's and every worker's,
+    which imports jaxllmq.data.prepare) about 2 s; in a fresh process, as the workers start."""
+    code = (
+        "import sys, jaxllmq.data.prepare, jaxllmq.cli.prepare; "
+        "print(' '.join(m for m in ('jax', 'flax', 'grain') if m in sys.modules))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [], f"imported: {done.stdout.strip()}"
