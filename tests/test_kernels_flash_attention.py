@@ -268,7 +268,7 @@ def test_the_plan_runs_mosaic_attention_on_one_hopper_gpu():
         ("llama-3.2-1b", H200, 2, None, False, "cudnn"),
         ("llama-3.2-1b", A100, 1, 32, False, "cudnn"),
         ("gemma-3-1b", H200, 1, 32, False, "mosaic"),  # documents at head dim 256 too
-        ("gemma-3-1b", H200, 1, None, False, "cudnn"),  # causal at head dim 256: cuDNN's
+        ("gemma-3-1b", H200, 1, None, False, "mosaic"),  # causal at head dim 256: ours
         ("llama-3.2-1b", CPU, 1, 32, False, "xla"),
         # Deterministic: ours wherever it runs (per device on several), else XLA's.
         ("llama-3.2-1b", H200, 1, None, True, "mosaic"),
