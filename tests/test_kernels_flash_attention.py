@@ -157,6 +157,23 @@ def test_forward_and_backward_lower_to_mosaic_gpu(t, d, documents, window, block
         assert f"flash_attention_{name}_mosaic_gpu" in module
 
 
+@pytest.mark.parametrize("hq, hkv", [(4, 2), (3, 3)], ids=["group-2-cluster", "group-1"])
+def test_head_dim_256_dq_lowers_with_and_without_its_cluster(hq, hkv):
+    """At 256 dQ's CTAs of two query heads of a key head run as a cluster sharing the key
+    tiles' loads; a group of one query head runs a CTA alone."""
+    q = jax.ShapeDtypeStruct((1, 256, hq, 256), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, hkv, 256), jnp.bfloat16)
+
+    def loss(q, k, v):
+        return jnp.sum(fa.flash_attention(q, k, v, scale=0.0625).astype(jnp.float32))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    module = export.export(grads, platforms=["cuda"])(q, kv, kv).mlir_module()
+    assert len(re.findall(r"custom_call @mosaic_gpu", module)) == 3
+    # A CTA arrives on its cluster's barriers, in every CTA's shared memory.
+    assert ("mbarrier.arrive.shared::cluster" in module) == (hq // hkv % 2 == 0)
+
+
 def _lowered_gradient(
     cfg, rows: int, scan_layers: bool, mesh=None, deterministic=False
 ) -> export.Exported:

@@ -14,6 +14,10 @@ from jaxllmq.kernels.flash_attention import common
 
 # dS tiles in flight from dQ's scores warpgroup to the other.
 DS_BUFFERS = 2
+# Head dim 256's dQ CTAs to a cluster: neighbouring query heads of a key head at the same rows
+# see the same key tiles, so TMA loads each tile once for the cluster (dQ alone 1.4-3.8% faster
+# on an H200 than a CTA each, 8 x 2048 and 2 x 8192).
+DQ_CLUSTER = 2
 # Tiles of P^T and of dP^T - delta in flight between dK/dV's warpgroups (one each: two of
 # each do not fit shared memory beside two stages of query rows and dO).
 TRADE_BUFFERS = 1
@@ -208,6 +212,7 @@ def backward_dq_wide(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):
     dtype = q.dtype
     c2 = scale * common.LOG2E
     tr = common.TILE_TRANSFORMS
+    cluster = DQ_CLUSTER if group % DQ_CLUSTER == 0 else 1
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         if vis.bounded:
@@ -216,7 +221,10 @@ def backward_dq_wide(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):
             fk_ref, (dq_ref, *scoped) = None, rest
         smem, (k_ready, v_ready), free, own_ready, ds_ready, ds_free = scoped
         q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, fk_smem, ds_smem = smem
-        rank, pair = common.section_order(lax.axis_index("ctas"), t // bq, b_ * hq, 0)
+        index = lax.axis_index("ctas")
+        if cluster > 1:
+            index = index * cluster + lax.axis_index("cluster")
+        rank, pair = common.section_order(index, t // bq, b_ * hq, 0)
         b, h = lax.div(pair, hq), lax.rem(pair, hq)
         row0 = (t // bq - 1 - rank) * bq
         own = pl.ds(row0, bq)
@@ -289,8 +297,16 @@ def backward_dq_wide(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):
         def _memory():
             plgpu.set_max_registers(common.MEMORY_REGISTERS, action="decrease")
             rings = ((k_ref, k_smem, k_ready, free), (v_ref, v_smem, v_ready, None))
-            common.stream_key_tiles(rings, b, lax.div(h, group), lo, hi, bk, stages)
+            common.stream_key_tiles(
+                rings, b, lax.div(h, group), lo, hi, bk, stages, multicast=cluster > 1
+            )
 
+    if cluster > 1:  # both warpgroups of every CTA of the cluster done with a slot
+        slots_done = plgpu.ClusterBarrier(
+            collective_axes=("cluster",), num_arrivals=2, num_barriers=stages
+        )
+    else:
+        slots_done = plgpu.Barrier(num_arrivals=2, num_barriers=stages)
     scratch = [
         (
             plgpu.SMEM((bq, d), dtype, transforms=tr),
@@ -303,7 +319,7 @@ def backward_dq_wide(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):
             plgpu.SMEM((DS_BUFFERS, bq, bk), dtype, transforms=tr),
         ),
         (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both warpgroups done with a slot
+        slots_done,
         plgpu.Barrier(num_barriers=5),
         plgpu.Barrier(num_barriers=DS_BUFFERS),  # dS written
         plgpu.Barrier(num_barriers=DS_BUFFERS),  # dS read
@@ -312,9 +328,10 @@ def backward_dq_wide(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):
         "flash_attention_dq",
         body,
         jax.ShapeDtypeStruct(q.shape, dtype),
-        (t // bq * b_ * hq,),
+        (t // bq * b_ * hq // cluster,),
         ("ctas",),
         scratch,
+        cluster=cluster,
     )
     args = (q, k, v, do, lse, delta) + ((first_key,) if vis.bounded else ())
     return call(*args)

@@ -205,11 +205,12 @@ class Work:
         return lax.div(item, per_rank), lax.div(rest, self.heads), lax.rem(rest, self.heads)
 
 
-def kernel_call(name, body, out_type, grid, grid_names, scratch, with_refs=False):
+def kernel_call(name, body, out_type, grid, grid_names, scratch, with_refs=False, cluster=1):
     """A kernel of two compute warpgroups and a memory one; the grid's last axis varies fastest
     as CTAs start. `name` names it in profiles (as name + "_mosaic_gpu_kernel"). with_refs: the
     last operands are jax Refs, written in place (pl.kernel aliases them; plgpu.kernel's wrapper
-    takes none)."""
+    takes none). cluster > 1: the grid counts clusters of that many CTAs, which the body tells
+    apart by lax.axis_index("cluster")."""
 
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, *scoped), *scratch, collective_axes="wg")
@@ -224,6 +225,8 @@ def kernel_call(name, body, out_type, grid, grid_names, scratch, with_refs=False
         ),
     )
     threads = dict(num_threads=3, thread_name="wg")
+    if cluster > 1:
+        options.update(cluster=(cluster,), cluster_names=("cluster",))
     if with_refs:
         mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, **threads)
         return pl.kernel(entry, mesh=mesh, name=name, **options)
@@ -252,13 +255,15 @@ def dkv_pairs_per_section(blocks: FlashBlocks, q_shape, group: int, dtype) -> in
     return max(1, DKV_SECTION_BYTES // (2 * group * t * d * jnp.dtype(dtype).itemsize))
 
 
-def stream_key_tiles(rings, b, kv_head, lo, hi, bk, stages, before=0):
+def stream_key_tiles(rings, b, kv_head, lo, hi, bk, stages, before=0, multicast=False):
     """The memory warpgroup's loop of the forward and dQ kernels: key tiles lo.. hi - 1 of
     (b, kv_head), bk keys each, by TMA into rings of `stages` slots. `before`: the tiles streamed
     for earlier items (the rings carry on from them). `rings`: per tensor (K, V)
     its (gmem ref, smem slots, ready barriers, free barriers); a slot is refilled once its free
     barrier says the compute warpgroups are done with it (free None: the one before it in
-    `rings` frees both)."""
+    `rings` frees both). multicast: the CTAs of a cluster stream the same tiles, TMA loading
+    each once and writing it to every CTA's slots; the free barriers are cluster barriers, and
+    the loop ends once every CTA is done with the last tiles, whose slots it writes to."""
 
     @pl.loop(lo, hi)
     def _(kb):
@@ -272,7 +277,18 @@ def stream_key_tiles(rings, b, kv_head, lo, hi, bk, stages, before=0):
                 def _(free=free):
                     plgpu.barrier_wait(free.at[slot])
 
-            plgpu.copy_gmem_to_smem(ref.at[tile], smem.at[slot], ready.at[slot])
+            collective = ("cluster",) if multicast else None
+            plgpu.copy_gmem_to_smem(
+                ref.at[tile], smem.at[slot], ready.at[slot], collective_axes=collective
+            )
+
+    if multicast:
+        frees = [free for _, _, _, free in rings if free is not None]
+
+        @pl.loop(lax.max(lo, hi - stages), hi)
+        def _(kb):
+            for free in frees:
+                plgpu.barrier_wait(free.at[lax.rem(before + kb - lo, stages)])
 
 
 def key_probabilities(s_t, lse_ref, c2, key0, row0, masked, last_row_ref):
