@@ -80,11 +80,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
         b, kv_head = lax.div(pair, hkv), lax.rem(pair, hkv)
         first_key = rank * keys
         wg = lax.axis_index("wg")
-        lo = lax.div(first_key, bq)  # causal: no earlier row sees these keys
-        if vis.bounded:
-            hi = lax.div(lr_ref[b, first_key + keys - 1] + bq, bq)
-        else:
-            hi = jnp.int32(t // bq)
+        lo, hi = common.query_tiles(lr_ref, b, first_key, keys, bq, t, vis)
         per_head = hi - lo
 
         @pl.when(wg < 2)
@@ -336,11 +332,7 @@ def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):
                 ds16 = common.query_d_scores(
                     s, dp, lse_r, delta_r, c2, row0, kb * bk, masked, fk, dtype
                 )
-
-                def dq_step(refs):
-                    plgpu.wgmma(refs[0], ds16, k_smem.at[slot])
-
-                (dq,) = common.accumulate(dq_step, (dq,))
+                dq = common.add_product(dq, ds16, k_smem.at[slot])
                 plgpu.barrier_arrive(free.at[slot])
                 return dq
 

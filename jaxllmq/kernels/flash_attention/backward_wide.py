@@ -74,11 +74,7 @@ def backward_dkv_wide(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
         key0 = rank * bk
         own = pl.ds(key0, bk)
         wg = lax.axis_index("wg")
-        lo = lax.div(key0, bq)  # causal: no earlier row sees these keys
-        if vis.bounded:
-            hi = lax.div(lr_ref[b, key0 + bk - 1] + bq, bq)
-        else:
-            hi = jnp.int32(t // bq)
+        lo, hi = common.query_tiles(lr_ref, b, key0, bk, bq, t, vis)
         per_head = hi - lo
         unmasked = common.unmasked_query_tiles(lr_ref, b, key0, bk, bq, hi, vis)
         zeros = common.zeros((bk, d))
@@ -127,11 +123,7 @@ def backward_dkv_wide(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                 plgpu.barrier_wait(x_ready.at[buf])
                 ds16 = (p_t * common.tile(x_smem.at[buf])).astype(dtype)
                 plgpu.barrier_arrive(x_free.at[buf])
-
-                def dk_step(refs):
-                    plgpu.wgmma(refs[0], ds16, q_smem.at[slot])
-
-                (dk,) = common.accumulate(dk_step, (dk,))
+                dk = common.add_product(dk, ds16, q_smem.at[slot])
                 plgpu.barrier_arrive(free.at[slot])
                 return dk
 
@@ -152,11 +144,7 @@ def backward_dkv_wide(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                 dp_t = transposed_scores(v_smem, do_smem.at[slot])
                 _send(i, dp_t - delta_c, x_smem, x_ready, x_free)
                 plgpu.barrier_wait(p_ready.at[buf])
-
-                def dv_step(refs):
-                    plgpu.wgmma(refs[0], p_smem.at[buf], do_smem.at[slot])
-
-                (dv,) = common.accumulate(dv_step, (dv,))
+                dv = common.add_product(dv, p_smem.at[buf], do_smem.at[slot])
                 plgpu.barrier_arrive(p_free.at[buf])
                 plgpu.barrier_arrive(free.at[slot])
                 return dv
@@ -280,11 +268,7 @@ def backward_dq_wide(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):
                 slot, buf = lax.rem(i, stages), lax.rem(i, DS_BUFFERS)
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_wait(ds_ready.at[buf])
-
-                def dq_step(refs):
-                    plgpu.wgmma(refs[0], ds_smem.at[buf], k_smem.at[slot])
-
-                (dq,) = common.accumulate(dq_step, (dq,))
+                dq = common.add_product(dq, ds_smem.at[buf], k_smem.at[slot])
                 plgpu.barrier_arrive(ds_free.at[buf])
                 plgpu.barrier_arrive(free.at[slot])
                 return dq

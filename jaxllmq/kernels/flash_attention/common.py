@@ -160,6 +160,13 @@ def accumulate(issue, accs: tuple) -> tuple:
     return pl.run_state(issue)(tuple(plgpu.ACC.init(a) for a in accs))
 
 
+def add_product(acc, a, b):
+    """acc (fp32 registers) plus the product a b (a in registers or shared memory, b in
+    shared memory), once it is done."""
+    (acc,) = accumulate(lambda refs: plgpu.wgmma(refs[0], a, b), (acc,))
+    return acc
+
+
 def resident_ctas() -> int:
     """CTAs resident at once: one per SM (each takes all of an SM's registers); an H200's 132
     where the device does not say (lowering for a GPU on a CPU)."""
@@ -369,6 +376,15 @@ def unmasked_key_tiles(fk_ref, b, row0, rows, bk, lo, hi, vis: Visibility):
         return lo, end
     first = lax.div(fk_ref[b, row0 + rows - 1] + bk - 1, bk)
     return lax.min(lax.max(lo, first), end), end
+
+
+def query_tiles(lr_ref, b, key0, keys, bq, t, vis: Visibility):
+    """(lo, hi): the query tiles of bq rows that see any of keys key0.. key0 + keys - 1: none
+    before the first key's (causal), and, bounded, none past the last key's last row."""
+    lo = lax.div(key0, bq)
+    if not vis.bounded:
+        return lo, jnp.int32(t // bq)
+    return lo, lax.div(lr_ref[b, key0 + keys - 1] + bq, bq)
 
 
 def unmasked_query_tiles(lr_ref, b, key0, keys, bq, hi, vis: Visibility):
