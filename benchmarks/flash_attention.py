@@ -61,15 +61,21 @@ def _grad_fn(attend):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
-def _errors(attend, reference, q, k, v, do) -> dict:
+def _errors(attend, reference, q, k, v, do) -> tuple[dict, dict]:
+    """(max abs error, relative L2 error) of o, dq, dk and dv against the fp32 reference: the
+    largest error is one element's, the L2 error the whole tensor's."""
     got = jax.vjp(attend, q, k, v)
     grads = got[1](do)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     want = jax.vjp(reference, *f32)
     ref_grads = want[1](do.astype(jnp.float32))
     names = ("o", "dq", "dk", "dv")
-    pairs = zip(names, (got[0], *grads), (want[0], *ref_grads), strict=True)
-    return {n: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b))) for n, a, b in pairs}
+    largest, l2 = {}, {}
+    for n, a, b in zip(names, (got[0], *grads), (want[0], *ref_grads), strict=True):
+        err = a.astype(jnp.float32) - b
+        largest[n] = float(jnp.max(jnp.abs(err)))
+        l2[n] = float(jnp.linalg.norm(err) / jnp.linalg.norm(b))
+    return largest, l2
 
 
 def _kernels_apart(q, k, v, do, scale) -> dict:
@@ -143,7 +149,7 @@ def measure(b: int, t: int, d: int) -> None:
                 "fwd_bwd_ms": 1e3 * bench.time_calls(lambda g=grad: g(q, k, v, do), calls=20),
             }
             if FLAGS.errors and t * t * b * hq <= 2**31:  # the fp32 reference's scores fit
-                row["max_abs_error"] = _errors(attend, ref, q, k, v, do)
+                row["max_abs_error"], row["rel_l2_error"] = _errors(attend, ref, q, k, v, do)
             emit(row)
         except Exception as e:  # one variant's failure must not end the sweep
             emit({"variant": name, "error": f"{type(e).__name__}: {str(e)[:400]}"})
