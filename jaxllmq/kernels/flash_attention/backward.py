@@ -18,7 +18,7 @@ F32_TILE = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 # The head dim dQ in dK/dV (FlashBlocks.dq_in_dkv) runs at: at 128 a row's fp32 partial of dQ
 # does not fit the registers and shared memory left; formed by column chunks on a warpgroup's
 # turn it was 1.2-1.3x slower than dQ's own kernel, and by column halves, both warpgroups
-# every step, 1.17-1.23x.
+# every step, 1.17-1.23x. Its reduce-adds alone (32 KiB a step) take as long as dQ's kernel.
 DQ_IN_DKV_HEAD_DIM = 64
 # The largest head dim these kernels take, each compute warpgroup forming its own rows of dK and
 # dV (fp32 [64, D] each, in its 232 registers beside the step's scores) or of dQ; above it,

@@ -20,7 +20,8 @@ COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 NO_MAX = -1e30
 HEAD_DIMS = (64, 128, 256)
 # Where causal forward + backward runs faster than cuDNN's on an H200, 8 x 2048 to 2 x 8192:
-# 1.14-1.20x at head dim 64 and 1.03-1.14x at 256 (at 128 0.96-1.09x, slower at the longest).
+# 1.13-1.25x at head dim 64 and 1.03-1.14x at 256 (at 128 0.97-1.06x, slower at the longest,
+# and level in the 3B's and Qwen3 1.7B's steps).
 CAUSAL_FASTER_HEAD_DIMS = (64, 256)
 # The query and dO bytes of a dK/dV section: well inside an H200's 50 MB of L2.
 DKV_SECTION_BYTES = 32 << 20
