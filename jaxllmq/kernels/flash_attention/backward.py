@@ -99,6 +99,11 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                 lr_ref, b, key0, bk, bq, hi, vis
             )
             zeros = common.zeros((bk, d))
+            if blocks.dkv_kv_in_registers:  # the S^T and dP^T products' first operands
+                k_operand = plgpu.load(k_own, (), layout=plgpu.Layout.WGMMA)
+                v_operand = plgpu.load(v_smem.at[wg], (), layout=plgpu.Layout.WGMMA)
+            else:
+                k_operand, v_operand = k_own, v_smem.at[wg]
 
             def share_ds(i, ds16):
                 met, _ = turns
@@ -149,8 +154,8 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                     # S^T and dP^T issued together, P^T's arithmetic under dP^T's product and
                     # dS^T's under dV's.
                     def st_dpt(s_ref, dp_ref):
-                        plgpu.wgmma(s_ref, k_own, q_t)
-                        plgpu.wgmma(dp_ref, v_smem.at[wg], do_t)
+                        plgpu.wgmma(s_ref, k_operand, q_t)
+                        plgpu.wgmma(dp_ref, v_operand, do_t)
                         s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # dP^T in flight
                         return probabilities(s_t), dp_ref[...]
 
@@ -169,7 +174,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                 else:
 
                     def st(acc_ref):
-                        plgpu.wgmma(acc_ref, k_own, q_t)
+                        plgpu.wgmma(acc_ref, k_operand, q_t)
                         return acc_ref[...]
 
                     p_t = probabilities(pl.run_scoped(st, plgpu.ACC((bk, bq), jnp.float32)))
@@ -177,7 +182,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
 
                     def dv_dp(refs):
                         plgpu.wgmma(refs[0], p16, do_smem.at[slot])
-                        plgpu.wgmma(refs[1], v_smem.at[wg], do_t)
+                        plgpu.wgmma(refs[1], v_operand, do_t)
 
                     dv, dp_t = common.accumulate(dv_dp, (dv, common.zeros((bk, bq))))
                     ds16 = d_scores(p_t, dp_t)

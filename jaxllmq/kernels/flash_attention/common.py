@@ -50,6 +50,10 @@ class FlashBlocks:
     # dK/dV: a step's four loads (query rows, dO, lse, delta) arrive on one barrier, so a compute
     # warpgroup waits once a step, not four times.
     dkv_one_ready: bool = True
+    # dK/dV: each compute warpgroup holds its key and value tiles in registers, as the S^T and
+    # dP^T products' first operands, which otherwise read them from shared memory every step
+    # (32 more registers a thread at head dim 64; at 128, or with 128-row steps, they spill).
+    dkv_kv_in_registers: bool = False
     # dQ added up by the dK/dV kernel (fp32, by TMA's reduce-add; not bit-identical from run to
     # run) instead of dQ's own kernel recomputing S and dP. Head dim 64 only.
     dq_in_dkv: bool = False
@@ -79,17 +83,18 @@ def default_blocks(head_dim: int, deterministic: bool = False) -> FlashBlocks:
     """The tiles for a head dim (those of the kernel head dim it runs at), as measured on an
     H200 (causal, 8 x 2048 to 2 x 8192, 32 query and 8 key heads). At head dim 64, dQ added up
     in the dK/dV kernel, whose steps overlap (dq_in_dkv, dkv_overlap, 64-row steps: forward +
-    backward 8-12% faster than dQ's own kernel since dS^T's ring), unless `deterministic`: then
-    dQ's own kernel, with dK/dV steps of 128 query rows and dQ steps of 128 keys (alone each
-    2-3% faster than 64, together 5% faster at each shape). At head dim 128 those spill
-    registers (1.3-1.4x slower), so 64, and dQ in the dK/dV kernel was 1.2-1.3x slower; there
-    dK/dV's CTAs run in one section (0.4-2% faster than sections of 32 MiB, which are 1-3%
-    faster at 64) and wait for a step's four loads one by one (1.5-2% faster than on one
-    barrier, which is 2.6-2.9% faster at 64). Three forward stages or 192-key forward tiles were
-    no faster at 64 and do not fit shared memory at 128."""
+    backward 8-12% faster than dQ's own kernel since dS^T's ring), its key and value tiles in
+    registers (0.8-4.7% faster again; at 128 or with 128-row steps they spill, 1.1-1.25x
+    slower), unless `deterministic`: then dQ's own kernel, with dK/dV steps of 128 query rows
+    and dQ steps of 128 keys (alone each 2-3% faster than 64, together 5% faster at each
+    shape). At head dim 128 those spill registers (1.3-1.4x slower), so 64, and dQ in the dK/dV
+    kernel was 1.2-1.3x slower; there dK/dV's CTAs run in one section (0.4-2% faster than
+    sections of 32 MiB, which are 1-3% faster at 64) and wait for a step's four loads one by
+    one (1.5-2% faster than on one barrier, which is 2.6-2.9% faster at 64). Three forward
+    stages or 192-key forward tiles were no faster at 64 and do not fit shared memory at 128."""
     kernel_d = kernel_head_dim(head_dim)
     if kernel_d == 64 and not deterministic:
-        return FlashBlocks(dq_in_dkv=True, dkv_overlap=True)
+        return FlashBlocks(dq_in_dkv=True, dkv_overlap=True, dkv_kv_in_registers=True)
     if kernel_d == 64:
         return FlashBlocks(dkv_block_q=128, dq_block_kv=128)
     if kernel_d == 128:
