@@ -50,9 +50,10 @@ class FlashBlocks:
     # dK/dV: a step's four loads (query rows, dO, lse, delta) arrive on one barrier, so a compute
     # warpgroup waits once a step, not four times.
     dkv_one_ready: bool = True
-    # dK/dV: each compute warpgroup holds its key and value tiles in registers, as the S^T and
-    # dP^T products' first operands, which otherwise read them from shared memory every step
-    # (32 more registers a thread at head dim 64; at 128, or with 128-row steps, they spill).
+    # dK/dV up to head dim 128: each compute warpgroup holds its key and value tiles in
+    # registers, as the S^T and dP^T products' first operands, which otherwise read them from
+    # shared memory every step (32 more registers a thread at head dim 64; at 128, or with
+    # 128-row steps, they spill). At 256 the warpgroups split by role and read them as before.
     dkv_kv_in_registers: bool = False
     # dQ added up by the dK/dV kernel (fp32, by TMA's reduce-add; not bit-identical from run to
     # run) instead of dQ's own kernel recomputing S and dP. Head dim 64 only.
