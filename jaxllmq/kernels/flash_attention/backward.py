@@ -12,9 +12,6 @@ from jax import lax
 
 from jaxllmq.kernels.flash_attention import backward_wide, common
 
-# Shared-memory transforms of fp32 [rows, D] tiles (128-byte swizzled rows of 32 elements), so that
-# stores from wgmma accumulators hit every bank once.
-F32_TILE = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 # The head dim dQ in dK/dV (FlashBlocks.dq_in_dkv) runs at: at 128 a row's fp32 partial of dQ
 # does not fit the registers and shared memory left; formed by column chunks on a warpgroup's
 # turn it was 1.2-1.3x slower than dQ's own kernel, and by column halves, both warpgroups
@@ -100,8 +97,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
             )
             zeros = common.zeros((bk, d))
             if blocks.dkv_kv_in_registers:  # the S^T and dP^T products' first operands
-                k_operand = plgpu.load(k_own, (), layout=plgpu.Layout.WGMMA)
-                v_operand = plgpu.load(v_smem.at[wg], (), layout=plgpu.Layout.WGMMA)
+                k_operand, v_operand = common.tile(k_own), common.tile(v_smem.at[wg])
             else:
                 k_operand, v_operand = k_own, v_smem.at[wg]
 
@@ -251,7 +247,9 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((2, bk), jnp.int32) if vis.bounded else None,
             plgpu.SMEM((ds_buffers, keys, bq), dtype, transforms=tr) if fused else None,
-            plgpu.SMEM((2, bq, d), jnp.float32, transforms=F32_TILE) if fused else None,
+            plgpu.SMEM((2, bq, d), jnp.float32, transforms=common.FP32_TRANSFORMS)
+            if fused
+            else None,
         ),
         # A slot's query rows, dO, lse and delta in: on one barrier or on one each.
         plgpu.Barrier(num_arrivals=4 // ready_per_slot, num_barriers=stages * ready_per_slot),

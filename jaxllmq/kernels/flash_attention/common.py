@@ -123,7 +123,8 @@ class Visibility:
 
 # Shared-memory transforms of [rows, D] tiles (D >= 64 elements of 16 bits: 128-byte rows).
 TILE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-# And of fp32 tiles, 32 elements to a 128-byte row.
+# And of fp32 tiles, 32 elements to a 128-byte swizzled row, so that stores from wgmma
+# accumulators hit every bank once.
 FP32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
@@ -147,7 +148,8 @@ def col(ref):
 
 
 def tile(ref):
-    """A [rows, cols] tile in shared memory, laid out as a wgmma accumulator."""
+    """A [rows, cols] tile in shared memory, laid out as a wgmma accumulator (or, 16-bit, as
+    wgmma's first operand from registers)."""
     return plgpu.load(ref, *_LOAD_INDEX, layout=plgpu.Layout.WGMMA)
 
 
