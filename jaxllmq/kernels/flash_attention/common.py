@@ -20,7 +20,7 @@ COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 NO_MAX = -1e30
 HEAD_DIMS = (64, 128, 256)
 # Where causal forward + backward runs faster than cuDNN's on an H200, 8 x 2048 to 2 x 8192:
-# 1.13-1.25x at head dim 64 and 1.03-1.14x at 256 (at 128 0.97-1.06x, slower at the longest,
+# 1.14-1.25x at head dim 64 and 1.03-1.14x at 256 (at 128 0.97-1.06x, slower at the longest,
 # and level in the 3B's and Qwen3 1.7B's steps).
 CAUSAL_FASTER_HEAD_DIMS = (64, 256)
 # The query and dO bytes of a dK/dV section: well inside an H200's 50 MB of L2.
@@ -86,9 +86,10 @@ def default_blocks(head_dim: int, deterministic: bool = False) -> FlashBlocks:
     in the dK/dV kernel, whose steps overlap (dq_in_dkv, dkv_overlap, 64-row steps: forward +
     backward 8-12% faster than dQ's own kernel since dS^T's ring), its key and value tiles in
     registers (0.8-4.7% faster again; at 128 or with 128-row steps they spill, 1.1-1.25x
-    slower), unless `deterministic`: then dQ's own kernel, with dK/dV steps of 128 query rows
-    and dQ steps of 128 keys (alone each 2-3% faster than 64, together 5% faster at each
-    shape). At head dim 128 those spill registers (1.3-1.4x slower), so 64, and dQ in the dK/dV
+    slower). Under `deterministic` dQ runs in its own kernel, with steps of 128 keys; dK/dV
+    keeps the overlapped 64-row steps and the register-held tiles (3.4-4.3% faster than its
+    128-row steps in order, themselves 5% faster than 64-row steps in order with dQ's steps
+    of 64). At head dim 128 128-row steps spill registers (1.3-1.4x slower), and dQ in the dK/dV
     kernel was 1.2-1.3x slower; there dK/dV's CTAs run in one section (0.4-2% faster than
     sections of 32 MiB, which are 1-3% faster at 64) and wait for a step's four loads one by
     one (1.5-2% faster than on one barrier, which is 2.6-2.9% faster at 64). Three forward
@@ -97,7 +98,7 @@ def default_blocks(head_dim: int, deterministic: bool = False) -> FlashBlocks:
     if kernel_d == 64 and not deterministic:
         return FlashBlocks(dq_in_dkv=True, dkv_overlap=True, dkv_kv_in_registers=True)
     if kernel_d == 64:
-        return FlashBlocks(dkv_block_q=128, dq_block_kv=128)
+        return FlashBlocks(dkv_overlap=True, dkv_kv_in_registers=True, dq_block_kv=128)
     if kernel_d == 128:
         return FlashBlocks(dkv_section=0, dkv_one_ready=False)
     # 256: 64-key forward tiles, which fit shared memory (227 KiB) beside the forward's resident
