@@ -81,20 +81,20 @@ def kernel_head_dim(head_dim: int) -> int | None:
 
 
 def default_blocks(head_dim: int, deterministic: bool = False) -> FlashBlocks:
-    """The tiles for a head dim (those of the kernel head dim it runs at), as measured on an
-    H200 (causal, 8 x 2048 to 2 x 8192, 32 query and 8 key heads). At head dim 64, dQ added up
-    in the dK/dV kernel, whose steps overlap (dq_in_dkv, dkv_overlap, 64-row steps: forward +
-    backward 8-12% faster than dQ's own kernel since dS^T's ring), its key and value tiles in
-    registers (0.8-4.7% faster again; at 128 or with 128-row steps they spill, 1.1-1.25x
-    slower), and four stages of its query rows and dO in flight (1.0-2.5% faster than two;
-    three were 1.5% slower). Under `deterministic` dQ runs in its own kernel, with steps of 128
-    keys; dK/dV keeps the overlapped 64-row steps and the register-held tiles (3.4-4.3% faster
-    than its 128-row steps in order, themselves 5% faster than 64-row steps in order with dQ's
-    steps of 64), with two stages (four not measured there). At head dim 128 128-row steps spill registers (1.3-1.4x slower), and dQ in the dK/dV
-    kernel was 1.2-1.3x slower; there dK/dV's CTAs run in one section (0.4-2% faster than
-    sections of 32 MiB, which are 1-3% faster at 64) and wait for a step's four loads one by
-    one (1.5-2% faster than on one barrier, which is 2.6-2.9% faster at 64). Three forward
-    stages or 192-key forward tiles were no faster at 64 and do not fit shared memory at 128."""
+    """The tiles for a head dim (those of the kernel head dim it runs at), as measured on an H200
+    (causal, 8 x 2048 to 2 x 8192, 32 query and 8 key heads). At head dim 64, dQ added up in the
+    dK/dV kernel, whose steps overlap (dq_in_dkv, dkv_overlap, 64-row steps: forward + backward
+    8-12% faster than dQ's own kernel since dS^T's ring), its key and value tiles in registers
+    (0.8-4.7% faster again; at 128 or with 128-row steps they spill, 1.1-1.25x slower), and four
+    stages of its query rows and dO in flight (1.0-2.5% faster than two; three were 1.5% slower).
+    Under `deterministic` dQ runs in its own kernel, with steps of 128 keys; dK/dV keeps the
+    overlapped 64-row steps and the register-held tiles (3.4-4.3% faster than its 128-row steps in
+    order, themselves 5% faster than 64-row steps in order with dQ's steps of 64), with two stages
+    (four not measured there). At head dim 128, 128-row steps spill registers (1.3-1.4x slower), and
+    dQ in the dK/dV kernel was 1.2-1.3x slower; there dK/dV's CTAs run in one section (0.4-2% faster
+    than sections of 32 MiB, which are 1-3% faster at 64) and wait for a step's four loads one by
+    one (1.5-2% faster than on one barrier, which is 2.6-2.9% faster at 64). Three forward stages or
+    192-key forward tiles were no faster at 64 and do not fit shared memory at 128."""
     kernel_d = kernel_head_dim(head_dim)
     if kernel_d == 64 and not deterministic:
         return FlashBlocks(dq_in_dkv=True, dkv_overlap=True, dkv_kv_in_registers=True, dkv_stages=4)
@@ -332,8 +332,9 @@ def stream_query_tiles(
 ):
     """The memory warpgroup's loop of the dK/dV kernels: query tiles lo.. lo + per_head - 1 of
     `heads` query heads from first_head, bq rows each: per tile its rows of each of `gmem` (the
-    queries and dO [B, T, H, D], then lse and delta [B, H, T]) into a ring of `stages` slots of `smem`, onto a slot's
-    ready_per_slot barriers in turn; a slot refilled once its free barrier says so."""
+    queries and dO [B, T, H, D], then lse and delta [B, H, T]) into a ring of `stages` slots of
+    `smem`, onto a slot's ready_per_slot barriers in turn; a slot refilled once its free barrier
+    says so."""
 
     @pl.loop(0, heads * per_head)
     def _(i):
