@@ -20,9 +20,9 @@ tile over the query tiles that see it (all query heads of its GQA group, so K an
 repeated in memory), another dQ per query tile. At head dim 64 the dK/dV kernel adds dQ up
 too (FlashBlocks.dq_in_dkv: five matmuls a tile, not seven), by fp32 reduce-adds whose order,
 and so whose rounding, varies from run to run; `deterministic` calls keep dQ's own kernel,
-which writes each tile once. There its compute warpgroups also hold their key and value tiles
-in registers (FlashBlocks.dkv_kv_in_registers), so that S^T's and dP^T's products read only
-the query rows and dO from shared memory.
+which writes each tile once. At 64, deterministic or not, its compute warpgroups also hold
+their key and value tiles in registers (FlashBlocks.dkv_kv_in_registers), so that S^T's and
+dP^T's products read only the query rows and dO from shared memory.
 
 Which keys a query sees is causal, and optionally bounded below by its document's start and its
 sliding window: the first key of row r is first_key[r] = max(document start, r - window + 1),
