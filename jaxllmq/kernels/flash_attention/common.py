@@ -88,18 +88,21 @@ def default_blocks(head_dim: int, deterministic: bool = False) -> FlashBlocks:
     (0.8-4.7% faster again; at 128 or with 128-row steps they spill, 1.1-1.25x slower), and four
     stages of its query rows and dO in flight (1.0-2.5% faster than two; three were 1.5% slower).
     Under `deterministic` dQ runs in its own kernel, with steps of 128 keys; dK/dV keeps the
-    overlapped 64-row steps and the register-held tiles (3.4-4.3% faster than its 128-row steps in
-    order, themselves 5% faster than 64-row steps in order with dQ's steps of 64), with two stages
-    (four not measured there). At head dim 128, 128-row steps spill registers (1.3-1.4x slower), and
-    dQ in the dK/dV kernel was 1.2-1.3x slower; there dK/dV's CTAs run in one section (0.4-2% faster
-    than sections of 32 MiB, which are 1-3% faster at 64) and wait for a step's four loads one by
-    one (1.5-2% faster than on one barrier, which is 2.6-2.9% faster at 64). Three forward stages or
-    192-key forward tiles were no faster at 64 and do not fit shared memory at 128."""
+    overlapped 64-row steps, the register-held tiles and the four stages (3.4-4.3% faster than its
+    128-row steps in order, themselves 5% faster than 64-row steps in order with dQ's steps of 64;
+    four stages 2% faster than two at 8 x 2048, level at the longer shapes). At head dim 128,
+    128-row steps spill registers (1.3-1.4x slower), and dQ in the dK/dV kernel was 1.2-1.3x
+    slower; there dK/dV's CTAs run in one section (0.4-2% faster than sections of 32 MiB, which
+    are 1-3% faster at 64) and wait for a step's four loads one by one (1.5-2% faster than on one
+    barrier, which is 2.6-2.9% faster at 64). Three forward stages or 192-key forward tiles were
+    no faster at 64 and do not fit shared memory at 128."""
     kernel_d = kernel_head_dim(head_dim)
     if kernel_d == 64 and not deterministic:
         return FlashBlocks(dq_in_dkv=True, dkv_overlap=True, dkv_kv_in_registers=True, dkv_stages=4)
     if kernel_d == 64:
-        return FlashBlocks(dkv_overlap=True, dkv_kv_in_registers=True, dq_block_kv=128)
+        return FlashBlocks(
+            dkv_overlap=True, dkv_kv_in_registers=True, dkv_stages=4, dq_block_kv=128
+        )
     if kernel_d == 128:
         return FlashBlocks(dkv_section=0, dkv_one_ready=False)
     # 256: 64-key forward tiles, which fit shared memory (227 KiB) beside the forward's resident
