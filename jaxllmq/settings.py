@@ -108,7 +108,7 @@ class ModelSpec(Settings):
     deterministic: bool = setting(
         False,
         "Bit-identical runs on GPU (CPU runs are already): XLA's deterministic ops, and attention "
-        "in jaxllmq's flash attention where it runs (the 1B step 11% slower than without), else "
+        "in jaxllmq's flash attention where it runs (the 1B step 9% slower than without), else "
         "XLA's (cuDNN's crashes under them in jax 0.11.2): 2-2.5x slower, and it keeps the "
         "[batch, heads, seq, seq] scores, so large batches need --recompute_att "
         "(docs/PERFORMANCE.md).",
