@@ -4,7 +4,9 @@ Causal GQA attention forward + backward (and forward alone) at each shape and he
 fused kernel beside ours (`jaxllmq/kernels/flash_attention/`), with the errors of each
 against a float32 XLA reference; then ours over packed documents (the bench's log-normal length
 mix) and with a sliding window against ours causal at the same shape. Times are the median over
-batches of calls issued back to back. One JSON line per measurement.
+batches of calls issued back to back. One JSON line per measurement. With
+--jax_linear_attention, also that package's kernel of the same design (an optional extra: the
+project does not need it).
 
     python3 -m benchmarks.flash_attention --shapes=8x2048,4x4096,2x8192 --head_dims=64,128
 """
@@ -39,6 +41,12 @@ flags.DEFINE_multi_string(
 )
 flags.DEFINE_bool("errors", True, "Also measure errors against a float32 reference.")
 flags.DEFINE_bool(
+    "jax_linear_attention",
+    False,
+    "Also time jax-linear-attention's flash attention (`pip install jax-linear-attention`; an "
+    "FA3-style Mosaic GPU kernel of our design), with its two backward kernels and its fused one.",
+)
+flags.DEFINE_bool(
     "kernels_apart",
     False,
     "Also time ours' kernels apart (forward, dK/dV, and dQ unless dK/dV adds it up; causal, "
@@ -52,6 +60,19 @@ def parse_blocks(spec: str, head_dim: int) -> fa.FlashBlocks:
     fields = dict(item.split("=") for item in spec.split(",") if item)
     changes = {name: int(value) for name, value in fields.items()}
     return dataclasses.replace(fa.default_blocks(head_dim), **changes)
+
+
+def other_kernel(backward_mode: str, scale: float):
+    """jax-linear-attention's flash attention with its `backward` mode ("ranged": dQ and dK/dV in
+    two kernels; "fused": dQ added up in the dK/dV kernel), or SystemExit if it is not installed."""
+    try:
+        from jla.ops.mosaic_gpu.attention import flash_attention as attend
+    except ImportError:
+        raise SystemExit(
+            "--jax_linear_attention: the package is not installed "
+            "(pip install jax-linear-attention), or leave the flag out"
+        ) from None
+    return lambda q, k, v: attend(q, k, v, scale=scale, backward=backward_mode)
 
 
 def _grad_fn(attend):
@@ -128,6 +149,9 @@ def measure(b: int, t: int, d: int) -> None:
 
     for spec in FLAGS.blocks:
         variants[f"mosaic {spec or 'default'}"] = (ours(parse_blocks(spec, d)), reference)
+    if FLAGS.jax_linear_attention:
+        for mode in ("ranged", "fused"):
+            variants[f"jax-linear-attention {mode}"] = (other_kernel(mode, scale), reference)
     if FLAGS.documents:
         seg = jnp.asarray(bench.document_segment_ids(b, t))
         fk, _ = fa.key_bounds(t, seg, None, b)
@@ -157,6 +181,8 @@ def measure(b: int, t: int, d: int) -> None:
 
 def main(argv):
     del argv
+    if FLAGS.jax_linear_attention:
+        other_kernel("ranged", 1.0)  # not installed: stop before any shape
     for shape in FLAGS.shapes:
         b, t = map(int, shape.split("x"))
         for d in map(int, FLAGS.head_dims):

@@ -141,3 +141,9 @@ def test_the_flash_bench_reports_the_largest_and_the_whole_tensors_error():
         dict.fromkeys(largest, 0.0),
         dict.fromkeys(largest, 0.0),
     )
+
+
+def test_the_other_kernel_is_a_one_line_exit_where_it_is_not_installed(monkeypatch):
+    monkeypatch.setitem(sys.modules, "jla", None)  # import jla raises ImportError
+    with pytest.raises(SystemExit, match="--jax_linear_attention: the package is not installed"):
+        flash_attention.other_kernel("fused", 0.125)
