@@ -62,7 +62,7 @@ def parse_blocks(spec: str, head_dim: int) -> fa.FlashBlocks:
     return dataclasses.replace(fa.default_blocks(head_dim), **changes)
 
 
-def other_kernel(backward_mode: str, scale: float):
+def jax_linear_attention_kernel(backward_mode: str, scale: float):
     """jax-linear-attention's flash attention with its `backward` mode ("ranged": dQ and dK/dV in
     two kernels; "fused": dQ added up in the dK/dV kernel), or SystemExit if it is not installed."""
     try:
@@ -151,7 +151,10 @@ def measure(b: int, t: int, d: int) -> None:
         variants[f"mosaic {spec or 'default'}"] = (ours(parse_blocks(spec, d)), reference)
     if FLAGS.jax_linear_attention:
         for mode in ("ranged", "fused"):
-            variants[f"jax-linear-attention {mode}"] = (other_kernel(mode, scale), reference)
+            variants[f"jax-linear-attention {mode}"] = (
+                jax_linear_attention_kernel(mode, scale),
+                reference,
+            )
     if FLAGS.documents:
         seg = jnp.asarray(bench.document_segment_ids(b, t))
         fk, _ = fa.key_bounds(t, seg, None, b)
@@ -182,7 +185,7 @@ def measure(b: int, t: int, d: int) -> None:
 def main(argv):
     del argv
     if FLAGS.jax_linear_attention:
-        other_kernel("ranged", 1.0)  # not installed: stop before any shape
+        jax_linear_attention_kernel("ranged", 1.0)  # not installed: stop before any shape
     for shape in FLAGS.shapes:
         b, t = map(int, shape.split("x"))
         for d in map(int, FLAGS.head_dims):

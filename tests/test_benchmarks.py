@@ -143,7 +143,7 @@ def test_the_flash_bench_reports_the_largest_and_the_whole_tensors_error():
     )
 
 
-def test_the_other_kernel_is_a_one_line_exit_where_it_is_not_installed(monkeypatch):
+def test_jax_linear_attention_is_a_one_line_exit_where_it_is_not_installed(monkeypatch):
     monkeypatch.setitem(sys.modules, "jla", None)  # import jla raises ImportError
     with pytest.raises(SystemExit, match="--jax_linear_attention: the package is not installed"):
-        flash_attention.other_kernel("fused", 0.125)
+        flash_attention.jax_linear_attention_kernel("fused", 0.125)
