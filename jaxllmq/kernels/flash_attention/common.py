@@ -20,7 +20,7 @@ COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 NO_MAX = -1e30
 HEAD_DIMS = (64, 128, 256)
 # Where causal forward + backward runs faster than cuDNN's on an H200, 8 x 2048 to 2 x 8192:
-# 1.14-1.25x at head dim 64 and 1.03-1.14x at 256 (at 128 0.97-1.06x, slower at the longest,
+# 1.15-1.28x at head dim 64 and 1.03-1.14x at 256 (at 128 0.97-1.06x, slower at the longest,
 # and level in the 3B's and Qwen3 1.7B's steps).
 CAUSAL_FASTER_HEAD_DIMS = (64, 256)
 # The query and dO bytes of a dK/dV section: well inside an H200's 50 MB of L2.
@@ -97,11 +97,13 @@ def default_blocks(head_dim: int, deterministic: bool = False) -> FlashBlocks:
     barrier, which is 2.6-2.9% faster at 64). Three forward stages or 192-key forward tiles were
     no faster at 64 and do not fit shared memory at 128."""
     kernel_d = kernel_head_dim(head_dim)
-    if kernel_d == 64 and not deterministic:
-        return FlashBlocks(dq_in_dkv=True, dkv_overlap=True, dkv_kv_in_registers=True, dkv_stages=4)
     if kernel_d == 64:
         return FlashBlocks(
-            dkv_overlap=True, dkv_kv_in_registers=True, dkv_stages=4, dq_block_kv=128
+            dq_in_dkv=not deterministic,
+            dq_block_kv=128 if deterministic else 64,  # dQ's own kernel's steps
+            dkv_overlap=True,
+            dkv_kv_in_registers=True,
+            dkv_stages=4,
         )
     if kernel_d == 128:
         return FlashBlocks(dkv_section=0, dkv_one_ready=False)
