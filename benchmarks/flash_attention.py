@@ -3,8 +3,10 @@
 Causal GQA attention forward + backward (and forward alone) at each shape and head dim, cuDNN's
 fused kernel beside ours (`jaxllmq/kernels/flash_attention/`), with the errors of each
 against a float32 XLA reference; then ours over packed documents (the bench's log-normal length
-mix) and with a sliding window against ours causal at the same shape. Times are the median over
-batches of calls issued back to back. One JSON line per measurement. With
+mix) and with a sliding window against ours causal at the same shape, each with the share of
+causal's 128 x 128 blocks its queries see (the blocks the kernels compute) beside the share of
+causal's time it takes. Times are the median over batches of calls issued back to back. One
+JSON line per measurement. With
 --jax_linear_attention, also that package's kernel of the same design (an optional extra: the
 project does not need it).
 
@@ -99,6 +101,15 @@ def _errors(attend, reference, q, k, v, do) -> tuple[dict, dict]:
     return largest, l2
 
 
+def visible_blocks(first_key, block: int = 128) -> int:
+    """The block x block tiles of the causal score matrices, over the batch, in which some query
+    sees a key: query block i sees key blocks from its first row's first key's up to its
+    diagonal (first_key rises with the row). The kernels compute these and skip the rest."""
+    t = first_key.shape[1]
+    first_blocks = first_key[:, ::block] // block
+    return int(jnp.sum(jnp.arange(t // block) - first_blocks + 1))
+
+
 def _kernels_apart(q, k, v, do, scale) -> dict:
     """ms of each of ours' kernels alone, causal with the default tiles (dK/dV's with its dQ
     buffer's zeroing and rounding where it adds dQ up)."""
@@ -155,17 +166,23 @@ def measure(b: int, t: int, d: int) -> None:
                 jax_linear_attention_kernel(mode, scale),
                 reference,
             )
+    # Documents and windows: the share of causal's blocks their queries see, and of its time.
+    causal_blocks = visible_blocks(jnp.zeros((b, t), jnp.int32))
+    block_shares = {}
     if FLAGS.documents:
         seg = jnp.asarray(bench.document_segment_ids(b, t))
         fk, _ = fa.key_bounds(t, seg, None, b)
         docs = lambda q, k, v: fa.flash_attention(q, k, v, scale=scale, segment_ids_BxT=seg)  # noqa: E731
         variants["mosaic documents"] = (docs, lambda q, k, v: reference(q, k, v, fk))
+        block_shares["mosaic documents"] = visible_blocks(fk) / causal_blocks
     for w in map(int, FLAGS.windows):
         fkw, _ = fa.key_bounds(t, None, w, b)
         win = lambda q, k, v, w=w: fa.flash_attention(q, k, v, scale=scale, window=w)  # noqa: E731
         variants[f"mosaic window {w}"] = (win, lambda q, k, v, fkw=fkw: reference(q, k, v, fkw))
+        block_shares[f"mosaic window {w}"] = visible_blocks(fkw) / causal_blocks
     if FLAGS.kernels_apart and d in fa.HEAD_DIMS:  # padded head dims: not the kernels alone
         emit(_kernels_apart(q, k, v, do, scale))
+    causal_ms = None  # ours causal with the default tiles, where timed
     for name, (attend, ref) in variants.items():
         try:
             fwd = jax.jit(attend)
@@ -175,6 +192,12 @@ def measure(b: int, t: int, d: int) -> None:
                 "fwd_ms": 1e3 * bench.time_calls(lambda f=fwd: f(q, k, v), calls=20),
                 "fwd_bwd_ms": 1e3 * bench.time_calls(lambda g=grad: g(q, k, v, do), calls=20),
             }
+            if name == "mosaic default":
+                causal_ms = row["fwd_bwd_ms"]
+            if name in block_shares:
+                row["blocks_vs_causal"] = round(block_shares[name], 4)
+                if causal_ms:
+                    row["fwd_bwd_vs_causal"] = round(row["fwd_bwd_ms"] / causal_ms, 4)
             if FLAGS.errors and t * t * b * hq <= 2**31:  # the fp32 reference's scores fit
                 row["max_abs_error"], row["rel_l2_error"] = _errors(attend, ref, q, k, v, do)
             emit(row)

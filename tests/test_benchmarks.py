@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from benchmarks import flash_attention, run
@@ -147,3 +148,21 @@ def test_jax_linear_attention_is_a_one_line_exit_where_it_is_not_installed(monke
     monkeypatch.setitem(sys.modules, "jla", None)  # import jla raises ImportError
     with pytest.raises(SystemExit, match="--jax_linear_attention: the package is not installed"):
         flash_attention.jax_linear_attention_kernel("fused", 0.125)
+
+
+def test_visible_blocks_counts_the_tiles_a_window_or_documents_leave():
+    """Four 128-row query blocks: causal sees 1 + 2 + 3 + 4 key blocks. A 128-token window
+    leaves each block its diagonal and the block before (7). Two documents of 256 tokens
+    leave each its own triangle (3 + 3), one starting mid-block keeps the earlier document's
+    blocks for that query block."""
+    t = 512
+    causal = jnp.zeros((1, t), jnp.int32)
+    assert flash_attention.visible_blocks(causal) == 10
+    window, _ = fa.key_bounds(t, None, 128, 1)
+    assert flash_attention.visible_blocks(window) == 7
+    halves, _ = fa.key_bounds(t, jnp.repeat(jnp.arange(2), 256)[None], None, 1)
+    assert flash_attention.visible_blocks(halves) == 6
+    late = jnp.where(jnp.arange(t) < 320, 0, 1)[None]  # the second document from row 320
+    first_key, _ = fa.key_bounds(t, late, None, 1)
+    assert flash_attention.visible_blocks(first_key) == 1 + 2 + 3 + 2
+    assert flash_attention.visible_blocks(jnp.concatenate([causal, window])) == 17
