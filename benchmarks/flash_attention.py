@@ -166,20 +166,27 @@ def measure(b: int, t: int, d: int) -> None:
                 jax_linear_attention_kernel(mode, scale),
                 reference,
             )
-    # Documents and windows: the share of causal's blocks their queries see, and of its time.
+    # Documents and windows: the share of causal's blocks their queries see, and of its time;
+    # and the time of the key bounds alone, which each call computes (a model's layers share).
     causal_blocks = visible_blocks(jnp.zeros((b, t), jnp.int32))
-    block_shares = {}
+    block_shares, bounds_ms = {}, {}
+
+    def bounded(name, seg, window):
+        fk, _ = fa.key_bounds(t, seg, window, b)
+        variants[name] = (
+            lambda q, k, v: fa.flash_attention(
+                q, k, v, scale=scale, segment_ids_BxT=seg, window=window
+            ),
+            lambda q, k, v: reference(q, k, v, fk),
+        )
+        block_shares[name] = visible_blocks(fk) / causal_blocks
+        bounds = jax.jit(lambda seg: fa.key_bounds(t, seg, window, b))
+        bounds_ms[name] = 1e3 * bench.time_calls(lambda: bounds(seg), calls=20)
+
     if FLAGS.documents:
-        seg = jnp.asarray(bench.document_segment_ids(b, t))
-        fk, _ = fa.key_bounds(t, seg, None, b)
-        docs = lambda q, k, v: fa.flash_attention(q, k, v, scale=scale, segment_ids_BxT=seg)  # noqa: E731
-        variants["mosaic documents"] = (docs, lambda q, k, v: reference(q, k, v, fk))
-        block_shares["mosaic documents"] = visible_blocks(fk) / causal_blocks
+        bounded("mosaic documents", jnp.asarray(bench.document_segment_ids(b, t)), None)
     for w in map(int, FLAGS.windows):
-        fkw, _ = fa.key_bounds(t, None, w, b)
-        win = lambda q, k, v, w=w: fa.flash_attention(q, k, v, scale=scale, window=w)  # noqa: E731
-        variants[f"mosaic window {w}"] = (win, lambda q, k, v, fkw=fkw: reference(q, k, v, fkw))
-        block_shares[f"mosaic window {w}"] = visible_blocks(fkw) / causal_blocks
+        bounded(f"mosaic window {w}", None, w)
     if FLAGS.kernels_apart and d in fa.HEAD_DIMS:  # padded head dims: not the kernels alone
         emit(_kernels_apart(q, k, v, do, scale))
     causal_ms = None  # ours causal with the default tiles, where timed
@@ -196,6 +203,7 @@ def measure(b: int, t: int, d: int) -> None:
                 causal_ms = row["fwd_bwd_ms"]
             if name in block_shares:
                 row["blocks_vs_causal"] = round(block_shares[name], 4)
+                row["key_bounds_ms"] = bounds_ms[name]
                 if causal_ms:
                     row["fwd_bwd_vs_causal"] = round(row["fwd_bwd_ms"] / causal_ms, 4)
             if FLAGS.errors and t * t * b * hq <= 2**31:  # the fp32 reference's scores fit

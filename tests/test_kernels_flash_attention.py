@@ -342,7 +342,8 @@ def test_the_tiles_left_unmasked_are_those_seen_whole(window, documents, key_til
         row0 = block * rows
         hi = (row0 + rows + key_tile - 1) // key_tile
         lo = int(first[0, row0]) // key_tile
-        start, end = common.unmasked_key_tiles(first, 0, row0, rows, key_tile, lo, hi, vis)
+        last_first_key = first[0, row0 + rows - 1] if vis.bounded else None
+        start, end = common.unmasked_key_tiles(last_first_key, row0, key_tile, lo, hi)
         assert lo <= int(start) <= int(end) <= hi
         want = [kb for kb in range(lo, hi) if by_keys[block, kb]]
         assert list(range(int(start), int(end))) == want, ("keys", row0)

@@ -315,7 +315,8 @@ def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):
             smem = [buf.at[wg] for buf in (q_smem, do_smem, lse_smem, delta_smem, fk_smem)]
             common.load_query_rows(gmem, smem, b, own, h, own_ready.at[pl.ds(5 * wg, 5)])
             own_hi = lax.div(row0 + bq + bk - 1, bk)
-            unmasked = common.unmasked_key_tiles(fk_ref, b, row0, bq, bk, lo, own_hi, vis)
+            last_first_key = fk_ref[b, row0 + bq - 1] if vis.bounded else None
+            unmasked = common.unmasked_key_tiles(last_first_key, row0, bk, lo, own_hi)
             lse_r = lax.broadcast_in_dim(common.row(lse_smem.at[wg]), (bq, bk), [0])
             delta_r = lax.broadcast_in_dim(common.row(delta_smem.at[wg]), (bq, bk), [0])
 

@@ -219,7 +219,8 @@ def backward_dq_wide(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):
         wg = lax.axis_index("wg")
         hi = lax.div(row0 + bq + bk - 1, bk)
         lo = lax.div(fk_ref[b, row0], bk) if vis.bounded else jnp.int32(0)
-        unmasked = common.unmasked_key_tiles(fk_ref, b, row0, bq, bk, lo, hi, vis)
+        last_first_key = fk_ref[b, row0 + bq - 1] if vis.bounded else None
+        unmasked = common.unmasked_key_tiles(last_first_key, row0, bk, lo, hi)
 
         def key_steps(step, init):
             for start, end, masked in common.spans(lo, *unmasked, hi):

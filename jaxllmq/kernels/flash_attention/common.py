@@ -384,14 +384,14 @@ def query_d_scores(s, dp, lse_r, delta_r, c2, row0, key0, masked, first_key_ref,
     return (p * (dp - delta_r)).astype(dtype)
 
 
-def unmasked_key_tiles(fk_ref, b, row0, rows, bk, lo, hi, vis: Visibility):
-    """(start, end): the key tiles in [lo, hi) that rows row0.. row0 + rows - 1 all see whole,
-    wholly at or below every row's diagonal and, bounded, at or past every row's first key
-    (first_key rises with the row, so the last row's bounds them all)."""
+def unmasked_key_tiles(last_first_key, row0, bk, lo, hi):
+    """(start, end): the key tiles in [lo, hi) that the rows from row0 on all see whole, wholly
+    at or below every row's diagonal and, bounded, at or past every row's first key (first_key
+    rises with the row, so the last row's, last_first_key, bounds them all; None unbounded)."""
     end = lax.min(lax.div(row0 + 1, bk), hi)
-    if not vis.bounded:
+    if last_first_key is None:
         return lo, end
-    first = lax.div(fk_ref[b, row0 + rows - 1] + bk - 1, bk)
+    first = lax.div(last_first_key + bk - 1, bk)
     return lax.min(lax.max(lo, first), end), end
 
 

@@ -45,13 +45,26 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
             return 2 * lax.rem(n, 2) + wg if prefetch else wg
 
         def item_at(n):
-            """(b, h, first row, first and last + 1 key tile) of this CTA's n-th item: the
-            last rows, which see the most keys, first."""
+            """(b, h, first row, last + 1 key tile) of this CTA's n-th item: the last rows,
+            which see the most keys, first."""
             rank, b, h = work.place(n)
             first_row = (work.ranks - 1 - rank) * rows
             hi = lax.div(first_row + rows + bk - 1, bk)  # causal: the tile of the last row
-            lo = lax.div(fk_ref[b, first_row], bk) if vis.bounded else jnp.int32(0)
-            return b, h, first_row, lo, hi
+            return b, h, first_row, hi
+
+        def first_keys_ahead(n, offsets):
+            """Bounded: the first keys of the n-th item's first row + each offset, read from
+            global memory an item ahead and carried by the items' loop, so that each read's
+            latency hides under the steps of the item before instead of stalling every item's
+            start (unbounded: none). n may be past this CTA's items (the rows clamped)."""
+            if not vis.bounded:
+                return ()
+            b, _, first_row, _ = item_at(n)
+            return tuple(fk_ref[b, jnp.clip(first_row + o, 0, t - 1)] for o in offsets)
+
+        def first_tile(first_keys):
+            """An item's first key tile: that of its first row's first key (0 unbounded)."""
+            return lax.div(first_keys[0], bk) if vis.bounded else jnp.int32(0)
 
         def take_turn():
             plgpu.barrier_arrive(turn)
@@ -63,7 +76,7 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
 
             def load_rows(n):
                 """The n-th item's query rows (and their first keys) into its buffer."""
-                b, h, first_row, _, _ = item_at(n)
+                b, h, first_row, _ = item_at(n)
                 own = pl.ds(first_row + wg * bq, bq)
                 buf = row_buffer(n)
                 plgpu.copy_gmem_to_smem(q_ref.at[b, own, h], q_smem.at[buf], rows_ready.at[buf])
@@ -72,8 +85,14 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
                         fk_ref.at[b, own], fk_smem.at[buf], rows_ready.at[4 + buf]
                     )
 
-            def item(n, before):
-                b, h, first_row, lo, hi = item_at(n)
+            # The first keys an item's bounds need: its first row's and this warpgroup's last.
+            own_first_keys = (0, wg * bq + bq - 1)
+
+            def item(n, carry):
+                before, *first_keys = carry
+                ahead = first_keys_ahead(n + 1, own_first_keys)
+                b, h, first_row, hi = item_at(n)
+                lo = first_tile(first_keys)
                 buf = row_buffer(n)
                 row0 = first_row + wg * bq
                 own = pl.ds(row0, bq)
@@ -81,7 +100,8 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
                     plgpu.barrier_wait(rows_ready.at[4 + buf])
                 plgpu.barrier_wait(rows_ready.at[buf])
                 own_hi = lax.div(row0 + bq + bk - 1, bk)
-                unmasked = common.unmasked_key_tiles(fk_ref, b, row0, bq, bk, lo, own_hi, vis)
+                last_first_key = first_keys[1] if vis.bounded else None
+                unmasked = common.unmasked_key_tiles(last_first_key, row0, bk, lo, own_hi)
 
                 def ring(kb):
                     return lax.rem(before + kb - lo, stages)
@@ -173,10 +193,11 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
                 if not prefetch:
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     pl.when(n + 1 < mine)(lambda: load_rows(n + 1))
-                return before + hi - lo
+                return (before + hi - lo, *ahead)
 
             load_rows(0)
-            lax.fori_loop(0, mine, item, jnp.int32(0))
+            first = (jnp.int32(0), *first_keys_ahead(0, own_first_keys))
+            lax.fori_loop(0, mine, item, first)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
@@ -184,12 +205,15 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
             plgpu.set_max_registers(common.MEMORY_REGISTERS, action="decrease")
             rings = ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free))
 
-            def item(n, before):
-                b, h, _, lo, hi = item_at(n)
+            def item(n, carry):
+                before, *first_keys = carry
+                ahead = first_keys_ahead(n + 1, (0,))
+                b, h, _, hi = item_at(n)
+                lo = first_tile(first_keys)
                 common.stream_key_tiles(rings, b, lax.div(h, group), lo, hi, bk, stages, before)
-                return before + hi - lo
+                return (before + hi - lo, *ahead)
 
-            lax.fori_loop(0, mine, item, jnp.int32(0))
+            lax.fori_loop(0, mine, item, (jnp.int32(0), *first_keys_ahead(0, (0,))))
 
     scratch = [
         (
