@@ -166,10 +166,9 @@ def measure(b: int, t: int, d: int) -> None:
                 jax_linear_attention_kernel(mode, scale),
                 reference,
             )
-    # Documents and windows: the share of causal's blocks their queries see, and of its time;
-    # and the time of the key bounds alone, which each call computes (a model's layers share).
+    # Documents and windows: the share of causal's blocks their queries see, and of its time.
     causal_blocks = visible_blocks(jnp.zeros((b, t), jnp.int32))
-    block_shares, bounds_ms = {}, {}
+    block_shares = {}
 
     def bounded(name, seg, window):
         fk, _ = fa.key_bounds(t, seg, window, b)
@@ -180,8 +179,6 @@ def measure(b: int, t: int, d: int) -> None:
             lambda q, k, v: reference(q, k, v, fk),
         )
         block_shares[name] = visible_blocks(fk) / causal_blocks
-        bounds = jax.jit(lambda seg: fa.key_bounds(t, seg, window, b))
-        bounds_ms[name] = 1e3 * bench.time_calls(lambda: bounds(seg), calls=20)
 
     if FLAGS.documents:
         bounded("mosaic documents", jnp.asarray(bench.document_segment_ids(b, t)), None)
@@ -203,7 +200,6 @@ def measure(b: int, t: int, d: int) -> None:
                 causal_ms = row["fwd_bwd_ms"]
             if name in block_shares:
                 row["blocks_vs_causal"] = round(block_shares[name], 4)
-                row["key_bounds_ms"] = bounds_ms[name]
                 if causal_ms:
                     row["fwd_bwd_vs_causal"] = round(row["fwd_bwd_ms"] / causal_ms, 4)
             if FLAGS.errors and t * t * b * hq <= 2**31:  # the fp32 reference's scores fit
