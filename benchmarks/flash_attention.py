@@ -6,9 +6,8 @@ against a float32 XLA reference; then ours over packed documents (the bench's lo
 mix) and with a sliding window against ours causal at the same shape, each with the share of
 causal's 128 x 128 blocks its queries see (the blocks the kernels compute) beside the share of
 causal's time it takes. Times are the median over batches of calls issued back to back. One
-JSON line per measurement. With
---jax_linear_attention, also that package's kernel of the same design (an optional extra: the
-project does not need it).
+JSON line per measurement. With --jax_linear_attention, also that package's kernel of the same
+design (an optional extra: the project does not need it).
 
     python3 -m benchmarks.flash_attention --shapes=8x2048,4x4096,2x8192 --head_dims=64,128
 """
