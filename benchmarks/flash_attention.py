@@ -1,13 +1,13 @@
 """jaxllmq's Mosaic GPU flash attention against cuDNN's: forward + backward times and errors.
 
 Causal GQA attention forward + backward (and forward alone) at each shape and head dim, cuDNN's
-fused kernel beside ours (`jaxllmq/kernels/flash_attention/`), with the errors of each
-against a float32 XLA reference; then ours over packed documents (the bench's log-normal length
-mix) and with a sliding window against ours causal at the same shape, each with the share of
-causal's 128 x 128 blocks its queries see (the blocks the kernels compute) beside the share of
-causal's time it takes. Times are the median over batches of calls issued back to back. One
-JSON line per measurement. With --jax_linear_attention, also that package's kernel of the same
-design (an optional extra: the project does not need it).
+fused kernel beside ours (`jaxllmq/kernels/flash_attention/`), with the errors of each against a
+float32 XLA reference; then ours over packed documents (the bench's log-normal length mix) and
+with sliding windows (cuDNN's too) against ours causal at the same shape, ours each with the
+share of causal's 128 x 128 blocks its queries see (the blocks the kernels compute) beside the
+share of causal's time it takes. Times are the median over batches of calls issued back to
+back. One JSON line per measurement. With --jax_linear_attention, also that package's kernel of
+the same design (an optional extra: the project does not need it).
 
     python3 -m benchmarks.flash_attention --shapes=8x2048,4x4096,2x8192 --head_dims=64,128
 """
@@ -25,6 +25,7 @@ from jaxllmq import bench
 from jaxllmq.cli import flags as cli_flags
 from jaxllmq.kernels import flash_attention as fa
 from jaxllmq.kernels.flash_attention import backward, common, forward
+from jaxllmq.model import attention
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["8x2048", "4x4096", "2x8192"], "Batch x sequence length pairs.")
@@ -144,15 +145,16 @@ def measure(b: int, t: int, d: int) -> None:
     def emit(row):
         print(json.dumps(shape | row), flush=True)
 
-    def cudnn(q, k, v):
-        return jax.nn.dot_product_attention(
-            q, k, v, scale=scale, is_causal=True, implementation="cudnn"
-        )
+    def cudnn(window=None):
+        """cuDNN's fused attention as the model calls it, causal within `window`."""
+        return lambda q, k, v: attention.attend(
+            q, k, v, None, implementation="cudnn", window=window, scale=scale
+        )[0]
 
     def reference(q, k, v, first_key=None):
         return fa.reference_attention(q, k, v, scale, first_key)
 
-    variants = {"cudnn": (cudnn, reference)} if FLAGS.cudnn else {}
+    variants = {"cudnn": (cudnn(), reference)} if FLAGS.cudnn else {}
 
     def ours(blocks):
         return lambda q, k, v: fa.flash_attention(q, k, v, scale=scale, blocks=blocks)
@@ -183,6 +185,9 @@ def measure(b: int, t: int, d: int) -> None:
         bounded("mosaic documents", jnp.asarray(bench.document_segment_ids(b, t)), None)
     for w in map(int, FLAGS.windows):
         bounded(f"mosaic window {w}", None, w)
+        if FLAGS.cudnn:
+            fkw, _ = fa.key_bounds(t, None, w, b)
+            variants[f"cudnn window {w}"] = (cudnn(w), lambda q, k, v, f=fkw: reference(q, k, v, f))
     if FLAGS.kernels_apart and d in fa.HEAD_DIMS:  # padded head dims: not the kernels alone
         emit(_kernels_apart(q, k, v, do, scale))
     causal_ms = None  # ours causal with the default tiles, where timed
