@@ -166,12 +166,20 @@ def _mosaic_attention_refusal(model_cfg, dtype, platform, hopper) -> str | None:
 def _mosaic_attention_faster(model_cfg, devices: int, documents: bool) -> bool:
     """Whether jaxllmq's flash attention, where it can run, was measured faster than cuDNN's for
     this model's attention: on one GPU, over packed documents at every head dim it takes, causal
-    at the head dims where it was (on several GPUs it runs per device, not yet timed there)."""
+    at the head dims where it was, and with short sliding windows on every layer at the head dims
+    it runs unpadded (on several GPUs it runs per device, not yet timed there)."""
     from jaxllmq.kernels import flash_attention  # Mosaic GPU's Pallas: where it can run only
 
     if devices != 1:
         return False
-    return documents or model_cfg.head_dim in flash_attention.CAUSAL_FASTER_HEAD_DIMS
+    windows = model_cfg.layer_windows()
+    short_windows = all(w is not None and w <= flash_attention.FASTER_WINDOW_MAX for w in windows)
+    head_dim = model_cfg.head_dim
+    return (
+        documents
+        or head_dim in flash_attention.CAUSAL_FASTER_HEAD_DIMS
+        or (short_windows and head_dim in flash_attention.HEAD_DIMS)
+    )
 
 
 def make_plan(

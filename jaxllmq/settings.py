@@ -100,9 +100,10 @@ class ModelSpec(Settings):
     attention: str = setting(
         "auto",
         "Attention kernel; auto = cuDNN on GPU in bf16, mosaic on one Hopper GPU at head dims "
-        "64 and 256 or over packed documents (measured faster), and with --deterministic mosaic "
-        "where it runs (else XLA's); mosaic = jaxllmq's own flash attention (Hopper GPUs, head "
-        "dims up to 256; per device on several).",
+        "64 and 256, over packed documents or with windows of up to 1024 keys on every layer "
+        "(measured faster), and with --deterministic mosaic where it runs (else XLA's); "
+        "mosaic = jaxllmq's own flash attention (Hopper GPUs, head dims up to 256; per device "
+        "on several).",
         choices=ATTENTIONS,
     )
     deterministic: bool = setting(

@@ -12,6 +12,7 @@ from jaxllmq import train_step
 from jaxllmq.bench import synthetic_batch
 from jaxllmq.kernels import KERNELS
 from jaxllmq.model.architecture import preset
+from jaxllmq.model.families import FULL, SLIDING
 from jaxllmq.offload import Offload
 from jaxllmq.optim import OptimConfig
 from jaxllmq.parallel.mesh import MeshError, make_mesh
@@ -72,6 +73,19 @@ def test_attention_is_xla_when_deterministic_on_cpu_and_in_fp32():
     assert _plan(spec=dataclasses.replace(BF16, matmul_dtype="float32")).attention == "xla"
     assert _plan(hardware=CPU).attention == "xla"
     assert _plan(spec=dataclasses.replace(BF16, attention="cudnn")).attention == "cudnn"
+
+
+def test_auto_picks_ours_for_short_sliding_windows_at_the_head_dims_it_runs_unpadded():
+    at_128 = dataclasses.replace(TINY, head_dim=128)
+    window = lambda cfg, w, **kw: dataclasses.replace(cfg, sliding_window=w, **kw)
+    assert _plan(at_128).attention == "cudnn"  # causal at 128: level with cuDNN's
+    assert _plan(window(at_128, 1024)).attention == "mosaic"
+    assert _plan(window(at_128, 2048)).attention == "cudnn"
+    assert _plan(window(TINY, 512)).attention == "cudnn"  # head dim 32 runs padded to 64
+    # One layer with no window attends causally, where cuDNN's is level: the model keeps cuDNN's.
+    mixed = window(at_128, 512, layer_types=(SLIDING, FULL))
+    assert _plan(mixed, scan_layers=False).attention == "cudnn"
+    assert _plan(window(at_128, 512), mesh=_mesh(fsdp=2)).attention == "cudnn"  # timed on one
 
 
 def test_cpu_runs_xla_everywhere_with_auto():

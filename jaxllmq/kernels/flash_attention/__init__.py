@@ -50,6 +50,7 @@ from jax import lax
 from jaxllmq.kernels.flash_attention import backward, forward
 from jaxllmq.kernels.flash_attention.common import (
     CAUSAL_FASTER_HEAD_DIMS,
+    FASTER_WINDOW_MAX,
     HEAD_DIMS,
     FlashBlocks,
     Visibility,
@@ -59,6 +60,7 @@ from jaxllmq.kernels.flash_attention.common import (
 
 __all__ = [
     "CAUSAL_FASTER_HEAD_DIMS",
+    "FASTER_WINDOW_MAX",
     "HEAD_DIMS",
     "FlashBlocks",
     "default_blocks",

@@ -23,6 +23,10 @@ HEAD_DIMS = (64, 128, 256)
 # 1.15-1.28x at head dim 64 and 1.03-1.14x at 256 (at 128 0.97-1.06x, slower at the longest,
 # and level in the 3B's and Qwen3 1.7B's steps).
 CAUSAL_FASTER_HEAD_DIMS = (64, 256)
+# A sliding window of at most this many keys on every layer runs faster than cuDNN's windowed
+# attention (8 x 2048 to 2 x 8192): at head dim 64 1.20-1.38x (windows of 512 to 4096), at 128
+# 1.04-1.19x for windows of 512 and 1024, level at 2048 (0.99-1.02x), 0.96x at 4096 over 8192.
+FASTER_WINDOW_MAX = 1024
 # The query and dO bytes of a dK/dV section: well inside an H200's 50 MB of L2.
 DKV_SECTION_BYTES = 32 << 20
 
