@@ -7,7 +7,8 @@ with sliding windows (cuDNN's too) against ours causal at the same shape, ours e
 share of causal's 128 x 128 blocks its queries see (the blocks the kernels compute) beside the
 share of causal's time it takes. Times are the median over batches of calls issued back to
 back. One JSON line per measurement. With --jax_linear_attention, also that package's kernel of
-the same design (an optional extra: the project does not need it).
+the same design; with --flash_attn3, FlashAttention-3's CUDA kernels for Hopper (optional extras:
+the project does not need them).
 
     python3 -m benchmarks.flash_attention --shapes=8x2048,4x4096,2x8192 --head_dims=64,128
 """
@@ -49,6 +50,12 @@ flags.DEFINE_bool(
     "FA3-style Mosaic GPU kernel of our design), with its two backward kernels and its fused one.",
 )
 flags.DEFINE_bool(
+    "flash_attn3",
+    False,
+    "Also time FlashAttention-3's Hopper kernels (`pip install dew-flash-attn-cu13`, which wraps "
+    "Dao-AILab's CUDA code for jax), causal and with each of --windows.",
+)
+flags.DEFINE_bool(
     "kernels_apart",
     False,
     "Also time ours' kernels apart (forward, dK/dV, and dQ unless dK/dV adds it up; causal, "
@@ -75,6 +82,22 @@ def jax_linear_attention_kernel(backward_mode: str, scale: float):
             "(pip install jax-linear-attention), or leave the flag out"
         ) from None
     return lambda q, k, v: attend(q, k, v, scale=scale, backward=backward_mode)
+
+
+def flash_attn3_kernel(scale: float, window: int | None = None):
+    """FlashAttention-3's causal attention within `window` (its left bound counts the keys before
+    the query: window - 1), or SystemExit if the package is not installed."""
+    try:
+        from dew_flash_attn import flash_mha
+    except ImportError:
+        raise SystemExit(
+            "--flash_attn3: the package is not installed (pip install dew-flash-attn-cu13), or "
+            "leave the flag out"
+        ) from None
+    bound = (window - 1, 0) if window else (-1, -1)
+    return lambda q, k, v: flash_mha(
+        q, k, v, softmax_scale=scale, is_causal=True, window_size=bound
+    )
 
 
 def _grad_fn(attend):
@@ -167,6 +190,8 @@ def measure(b: int, t: int, d: int) -> None:
                 jax_linear_attention_kernel(mode, scale),
                 reference,
             )
+    if FLAGS.flash_attn3:
+        variants["flash-attn3"] = (flash_attn3_kernel(scale), reference)
     # Documents and windows: the share of causal's blocks their queries see, and of its time.
     causal_blocks = visible_blocks(jnp.zeros((b, t), jnp.int32))
     block_shares = {}
@@ -189,6 +214,8 @@ def measure(b: int, t: int, d: int) -> None:
         windowed_reference = bounded(f"mosaic window {w}", None, w)
         if FLAGS.cudnn:
             variants[f"cudnn window {w}"] = (cudnn(w), windowed_reference)
+        if FLAGS.flash_attn3:
+            variants[f"flash-attn3 window {w}"] = (flash_attn3_kernel(scale, w), windowed_reference)
     if FLAGS.kernels_apart and d in fa.HEAD_DIMS:  # padded head dims: not the kernels alone
         emit(_kernels_apart(q, k, v, do, scale))
     causal_ms = None  # ours causal with the default tiles, where timed
@@ -218,6 +245,8 @@ def main(argv):
     del argv
     if FLAGS.jax_linear_attention:
         jax_linear_attention_kernel("ranged", 1.0)  # not installed: stop before any shape
+    if FLAGS.flash_attn3:
+        flash_attn3_kernel(1.0)
     for shape in FLAGS.shapes:
         b, t = map(int, shape.split("x"))
         for d in map(int, FLAGS.head_dims):

@@ -15,7 +15,9 @@ that fusion below the memory bandwidth. Rows:
   step concat / step dus: gradients and update together, the stacked weight differentiated;
   step per layer: each layer's slice differentiated and updated on its own (unstack below),
       the updated slices, moments included, stacked back; or written in place (dynamic update
-      slices into the donated buffers).
+      slices into the donated buffers);
+  step unstacked: the weight kept as L arrays, one a layer, with its moments: each layer's
+      gradient updates its own arrays, with nothing to stack (the floor for storage by layer).
 """
 
 import functools
@@ -145,6 +147,16 @@ def main(argv: list[str]) -> None:
             return restack(views, params), restack(state, old_state)
         return restack(views), restack(state)
 
+    def step_unstacked(views, view_state, data):
+        x, r = data
+
+        def loss(views):
+            ws = views["layers"]["w"]
+            return sum(jnp.sum((x @ w).astype(jnp.float32) * r[i]) for i, w in enumerate(ws))
+
+        u, view_state = opt.update(jax.grad(loss)(views), view_state, views)
+        return jax.tree.map(lambda p, d: (p + d).astype(p.dtype), views, u), view_state
+
     def time_ms(f, *operands, donate=()) -> float:
         """Median ms per call (bench.time_calls). Donated operands are fresh copies, replaced by
         the outputs after each call, so the calls still go back to back."""
@@ -183,6 +195,16 @@ def main(argv: list[str]) -> None:
             "step per layer, in place",
             time_ms(
                 functools.partial(step_per_layer, in_place=True), params, state, data, donate=(0, 1)
+            ),
+        ),
+        (
+            "step unstacked",
+            time_ms(
+                step_unstacked,
+                unstack(params, layers),
+                unstack(state, layers),
+                data,
+                donate=(0, 1),
             ),
         ),
     ]

@@ -4,6 +4,7 @@ and its command line (--dry_run runs nothing); and which tiles the flash attenti
 import dataclasses
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -148,6 +149,19 @@ def test_jax_linear_attention_is_a_one_line_exit_where_it_is_not_installed(monke
     monkeypatch.setitem(sys.modules, "jla", None)  # import jla raises ImportError
     with pytest.raises(SystemExit, match="--jax_linear_attention: the package is not installed"):
         flash_attention.jax_linear_attention_kernel("fused", 0.125)
+
+
+def test_flash_attn3_passes_the_window_as_its_keys_before_the_query(monkeypatch):
+    monkeypatch.setitem(sys.modules, "dew_flash_attn", None)
+    with pytest.raises(SystemExit, match="--flash_attn3: the package is not installed"):
+        flash_attention.flash_attn3_kernel(0.125)
+    calls = []
+    fake = types.SimpleNamespace(flash_mha=lambda q, k, v, **kw: calls.append(kw))
+    monkeypatch.setitem(sys.modules, "dew_flash_attn", fake)
+    flash_attention.flash_attn3_kernel(0.125)(None, None, None)
+    flash_attention.flash_attn3_kernel(0.125, 512)(None, None, None)
+    assert [c["window_size"] for c in calls] == [(-1, -1), (511, 0)]
+    assert all(c["is_causal"] and c["softmax_scale"] == 0.125 for c in calls)
 
 
 def test_visible_blocks_counts_the_tiles_a_window_or_documents_leave():
