@@ -1,6 +1,7 @@
 """The benchmark runs the real train step and reports consistent numbers."""
 
 import dataclasses
+import json
 import subprocess
 import sys
 
@@ -68,6 +69,22 @@ def test_a_bad_flag_value_ends_in_one_line_naming_it(flag, message):
     assert run.returncode == 1
     assert run.stderr.strip().splitlines()[-1].startswith(message)
     assert "Traceback" not in run.stderr
+
+
+def test_a_model_directory_without_weights_ends_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(preset("tiny").to_hf_dict()))
+    run = subprocess.run(
+        [sys.executable, "-m", "jaxllmq.bench", f"--model={tmp_path}", "--bench_steps=1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert (
+        last.startswith(f"error: {tmp_path}: neither model.safetensors")
+        and "Traceback" not in run.stderr
+    )
 
 
 def test_synthetic_documents_have_a_realistic_length_mix():

@@ -9,6 +9,7 @@ from absl import app
 
 from jaxllmq import bench, profile, xla_flags
 from jaxllmq.cli import flags
+from jaxllmq.model import CheckpointFormatError, ModelConfigError
 from jaxllmq.model.architecture import PRESETS, ModelConfig, load_model_config
 from jaxllmq.parallel.mesh import MeshError, initialize_distributed, make_mesh
 from jaxllmq.settings import DataConfig, MeshConfig, ModelSpec, OptimConfig, TrainConfig
@@ -54,9 +55,11 @@ def build_from_flags(argv: list[str]):
 def run(argv: list[str]) -> None:
     spec, model_cfg, optim, data, mesh_cfg = start(argv)
     options = flags.build_or_exit(bench.BenchConfig)
-    try:  # --gpus or --tensor_parallel that these devices or this model cannot form
+    # --gpus or --tensor_parallel that these devices or this model cannot form; a model directory
+    # without weights (and no --from_scratch); a setting this model refuses (--attention).
+    try:
         result = bench.run_bench(model_cfg, spec, optim, data, mesh_cfg, options)
-    except MeshError as e:
+    except (MeshError, CheckpointFormatError, ModelConfigError) as e:
         sys.exit(f"error: {e}")
     if jax.process_index() != 0:
         return
