@@ -71,15 +71,17 @@ class FlashBlocks:
     # 128-row steps, they spill). At 256 the warpgroups split by role and read them as before.
     dkv_kv_in_registers: bool = False
     # dQ added up by the dK/dV kernel (fp32, by TMA's reduce-add; not bit-identical from run to
-    # run) instead of dQ's own kernel recomputing S and dP. Head dims 64 and 128.
+    # run) instead of dQ's own kernel recomputing S and dP. Head dims 64 and 128 (at 128 by
+    # column halves, backward.DQ_BY_PARITY_HEAD_DIM, slower so far: not the default there).
     dq_in_dkv: bool = False
     # dQ in dK/dV: a warp of the memory warpgroup issues the reduce-adds, so that a compute
     # warpgroup only hands its staged fp32 piece over (a "full" barrier) and waits, before it
     # stages the next, for that warp to say the copy has read the last ("empty"), instead of
     # issuing the add and waiting on its read itself. Not yet timed on a GPU.
     dq_adds_by_memory_warp: bool = False
-    # dK/dV up to head dim 128: registers a thread of each compute warpgroup (multiples of 8,
-    # the memory warpgroup keeping memory_registers of it, at least 24). Not yet timed at 240.
+    # dK/dV up to head dim 128: each compute warpgroup's registers a thread, a multiple of 8 from
+    # 232 to 240; the memory warpgroup takes what is left (memory_registers: 40, or 24 at 240).
+    # Not yet timed at 240.
     dkv_compute_registers: int = COMPUTE_REGISTERS
 
     def __post_init__(self):
