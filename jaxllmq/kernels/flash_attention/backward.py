@@ -87,12 +87,11 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
         lo, hi = common.query_tiles(lr_ref, b, first_key, keys, bq, t, vis)
         per_head = hi - lo
 
-        def dq_piece(i, w):
-            """Where step i's piece of dQ from warpgroup w adds (i counts query tiles of the
-            group's heads in turn)."""
-            g, qb = lax.div(i, per_head), lo + lax.rem(i, per_head)
-            cols = pl.ds(w * dq_cols if halves else 0, dq_cols)
-            return dq_ref.at[b, pl.ds(qb * bq, bq), kv_head * group + g, cols]
+        def dq_piece(g, qb, w):
+            """Where the piece of dQ from warpgroup w for query tile qb of the group's g-th head
+            adds: its rows, and by halves its half of the columns."""
+            rows = dq_ref.at[b, pl.ds(qb * bq, bq), kv_head * group + g]
+            return rows.at[:, pl.ds(w * dq_cols, dq_cols)] if halves else rows
 
         @pl.when(wg < 2)
         def _compute():
@@ -122,8 +121,9 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(met.at[buf])
 
-            def add_dq(i):
+            def add_dq(i, g, qb):
                 met, _ = turns
+                owner = None if halves else lax.rem(i, 2)  # by parity: whose piece it is
                 buf = lax.rem(i, ds_buffers)
                 own_k = k_smem.at[:, pl.ds(wg * dq_cols, dq_cols)] if halves else k_smem
 
@@ -145,14 +145,16 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                     if by_warp:
                         plgpu.barrier_arrive(full.at[wg])
                     else:
-                        plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_piece(i, wg), reduction_op="add")
+                        plgpu.copy_smem_to_gmem(
+                            dq_smem.at[wg], dq_piece(g, qb, wg), reduction_op="add"
+                        )
 
                 if halves:
                     piece()
                 else:
-                    pl.when(wg == lax.rem(i, 2))(piece)
+                    pl.when(wg == owner)(piece)
 
-            def step(i, carry, qb, masked):
+            def step(i, carry, g, qb, masked):
                 dk, dv = carry
                 slot = lax.rem(i, stages)
                 for n in range(ready_per_slot):
@@ -216,17 +218,17 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                     (dk,) = common.accumulate(dk_step, (dk,))
                 plgpu.barrier_arrive(free.at[slot])
                 if fused:
-                    add_dq(i)
+                    add_dq(i, g, qb)
                 return dk, dv
 
             def head(g, carry):
                 base = g * per_head - lo
 
                 def masked(qb, c):
-                    return step(base + qb, c, qb, True)
+                    return step(base + qb, c, g, qb, True)
 
                 def plain(qb, c):
-                    return step(base + qb, c, qb, False)
+                    return step(base + qb, c, g, qb, False)
 
                 for start, end, mask in common.spans(lo, unmasked_from, unmasked_to, hi):
                     carry = lax.fori_loop(start, end, masked if mask else plain, carry)
@@ -268,10 +270,12 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                 full, empty = handover
 
                 @pl.loop(0, group * per_head)
-                def _(i):
+                def _(i):  # the compute warpgroups' steps, in their order
+                    g, qb = lax.div(i, per_head), lo + lax.rem(i, per_head)
                     for w in (0, 1) if halves else (lax.rem(i, 2),):
                         plgpu.barrier_wait(full.at[w])
-                        plgpu.copy_smem_to_gmem(dq_smem.at[w], dq_piece(i, w), reduction_op="add")
+                        dst = dq_piece(g, qb, w)
+                        plgpu.copy_smem_to_gmem(dq_smem.at[w], dst, reduction_op="add")
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         plgpu.barrier_arrive(empty.at[w])
 
