@@ -87,20 +87,6 @@ def test_tiles_that_no_kernel_takes_are_refused(change):
         fa.FlashBlocks(**change)
 
 
-@pytest.mark.parametrize(
-    "change, message",
-    [
-        (dict(dkv_compute_registers=236), "a multiple of 8 from 232 to 240, not 236"),
-        (dict(dkv_compute_registers=248), "a multiple of 8 from 232 to 240, not 248"),
-        (dict(dkv_compute_registers=224), "a multiple of 8 from 232 to 240, not 224"),
-        (dict(dq_adds_by_memory_warp=True), "dq_adds_by_memory_warp needs dq_in_dkv"),
-    ],
-)
-def test_register_splits_and_handovers_that_cannot_run_are_refused(change, message):
-    with pytest.raises(ValueError, match=message):
-        fa.FlashBlocks(**change)
-
-
 def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
     got = {d: fa.kernel_head_dim(d) for d in (16, 64, 80, 96, 128, 192, 256, 320)}
     assert got == {16: 64, 64: 64, 80: 128, 96: 128, 128: 128, 192: 256, 256: 256, 320: None}
@@ -122,15 +108,6 @@ def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
         (256, 64, True, 100, fa.FlashBlocks(dq_in_dkv=True)),
         (256, 64, True, 100, fa.FlashBlocks(dq_in_dkv=True, dkv_overlap=True)),
         (256, 128, False, None, fa.FlashBlocks(dkv_kv_in_registers=True)),
-        (256, 64, True, 100, fa.FlashBlocks(dq_in_dkv=True, dq_adds_by_memory_warp=True)),
-        (256, 128, False, None, fa.FlashBlocks(dq_in_dkv=True)),
-        (
-            256,
-            128,
-            True,
-            100,
-            fa.FlashBlocks(dq_in_dkv=True, dq_adds_by_memory_warp=True, dkv_compute_registers=240),
-        ),
         (256, 64, True, 100, None),
         (200, 96, True, 100, None),
         (256, 80, False, None, None),
@@ -145,9 +122,6 @@ def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
         "bounded-dq-in-dkv-64",
         "bounded-dq-in-dkv-overlap-64",
         "kv-in-registers-128",
-        "bounded-dq-adds-by-memory-warp-64",
-        "dq-in-dkv-by-column-halves-128",
-        "bounded-dq-halves-by-memory-warp-240-registers-128",
         "bounded-default-64",
         "padded-bounded-96",
         "80",
@@ -378,15 +352,15 @@ def test_the_tiles_left_unmasked_are_those_seen_whole(window, documents, key_til
         assert list(range(int(start), int(end))) == want, ("queries", row0)
 
 
-def test_dq_in_dkv_is_refused_at_head_dim_256():
-    q = jax.ShapeDtypeStruct((1, 256, 4, 256), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, 256, 2, 256), jnp.bfloat16)
+def test_dq_in_dkv_is_refused_at_head_dim_128():
+    q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
     blocks = fa.FlashBlocks(dq_in_dkv=True)
 
     def loss(q, k, v):
         return jnp.sum(fa.flash_attention(q, k, v, scale=1.0, blocks=blocks).astype(jnp.float32))
 
-    with pytest.raises(ValueError, match="dq_in_dkv takes head dims up to 128, not 256"):
+    with pytest.raises(ValueError, match="dq_in_dkv takes head dim 64 only, not 128"):
         export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(q, kv, kv)
 
 

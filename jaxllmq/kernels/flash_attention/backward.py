@@ -12,11 +12,13 @@ from jax import lax
 
 from jaxllmq.kernels.flash_attention import backward_wide, common
 
-# dQ in dK/dV (FlashBlocks.dq_in_dkv): up to this head dim one warpgroup a step, by the step's
-# parity, forms the step's fp32 piece of dQ over both key tiles; above it (128), where a whole
-# row of dQ does not fit the registers left, both warpgroups every step, each half its columns.
-# Those halves, each added by its warpgroup, were 1.17-1.23x slower than dQ's own kernel.
-DQ_BY_PARITY_HEAD_DIM = 64
+# The head dim dQ in dK/dV (FlashBlocks.dq_in_dkv) runs at: at 128 a row's fp32 partial of dQ
+# does not fit the registers and shared memory left; formed by column chunks on a warpgroup's
+# turn it was 1.2-1.3x slower than dQ's own kernel, and by column halves, both warpgroups
+# every step, 1.17-1.23x; with the adds issued by a warp of the memory warpgroup and 240
+# registers still 1.03-1.16x, spilling about 400 bytes a thread. Its reduce-adds alone (32 KiB
+# a step) take as long as dQ's kernel.
+DQ_IN_DKV_HEAD_DIM = 64
 # The largest head dim these kernels take, each compute warpgroup forming its own rows of dK and
 # dV (fp32 [64, D] each, in its 232 registers beside the step's scores) or of dQ; above it,
 # backward_wide's kernels, whose warpgroups split the work by role.
@@ -37,37 +39,30 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     MAX_NARROW_HEAD_DIM, backward_wide's kernel.
 
     dQ in dK/dV: each step both warpgroups put their dS^T in shared memory (a ring of
-    ds_buffers) and arrive; the warpgroup whose turn it is (the step's parity; above
-    DQ_BY_PARITY_HEAD_DIM both, each for half the columns) waits for both, multiplies the step's
-    dS over both key tiles by K and adds the fp32 piece into dQ / scale by TMA's reduce-add
-    (blocks.dq_adds_by_memory_warp: hands it to a warp of the memory warpgroup, which issues
-    the add), while the other goes on. Both meet once at the end, before dK and dV overwrite
-    the key tiles."""
-    fused = blocks.dq_in_dkv
-    b_, t, hq, d = q.shape
-    if fused and d > MAX_NARROW_HEAD_DIM:
-        raise ValueError(
-            f"flash attention: dq_in_dkv takes head dims up to {MAX_NARROW_HEAD_DIM}, not {d}"
-        )
-    if d > MAX_NARROW_HEAD_DIM:
+    ds_buffers) and arrive; the warpgroup whose turn it is (the step's parity) waits for both,
+    multiplies the step's dS over both key tiles by K in one product and adds the fp32 result
+    into dQ / scale by TMA's reduce-add, while the other goes on. Both meet once at the end,
+    before dK and dV overwrite the key tiles."""
+    if q.shape[-1] > MAX_NARROW_HEAD_DIM:
         return backward_wide.backward_dkv_wide(
             q, k, v, do, lse, delta, last_row, scale=scale, vis=vis, blocks=blocks
         )
-    halves = d > DQ_BY_PARITY_HEAD_DIM
-    dq_cols = d // 2 if halves else d  # a piece's columns
-    by_warp = blocks.dq_adds_by_memory_warp
+    fused = blocks.dq_in_dkv
+    b_, t, hq, d = q.shape
+    if fused and d != DQ_IN_DKV_HEAD_DIM:
+        raise ValueError(
+            f"flash attention: dq_in_dkv takes head dim {DQ_IN_DKV_HEAD_DIM} only, not {d}"
+        )
     hkv = k.shape[2]
     group = hq // hkv
     bq, bk, stages = blocks.dkv_block_q, blocks.dkv_block_kv, blocks.dkv_stages
     ready_per_slot = 1 if blocks.dkv_one_ready else 4  # barriers a step's loads arrive on
     keys = 2 * bk
-    # dQ in dK/dV by parity: dS^T in a ring of four buffers, so that no warpgroup waits to write
-    # one (the product of step i - 4 read it before either reached step i - 2's meeting),
-    # 3.4-4.5% faster forward + backward than two buffers and a wait. An even count: each
-    # buffer's barrier is waited by one warpgroup (a thread counts a barrier's phases by its own
-    # waits). By halves two, which shared memory has room for: both warpgroups read a step's
-    # buffer before either arrives at the next step's meeting, so neither waits to write one.
-    ds_buffers = 2 if halves else 4
+    # dQ in dK/dV: dS^T in a ring of four buffers, so that no warpgroup waits to write one (the
+    # product of step i - 4 read it before either reached step i - 2's meeting), 3.4-4.5% faster
+    # forward + backward than two buffers and a wait. An even count: each buffer's barrier is
+    # waited by one warpgroup (a thread counts a barrier's phases by its own waits).
+    ds_buffers = 4
     dtype = q.dtype
     c2 = scale * common.LOG2E
     tr = common.TILE_TRANSFORMS
@@ -77,7 +72,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
         rest = list(rest)
         lr_ref = rest.pop(0) if vis.bounded else None
         dq_ref = rest.pop(0) if fused else None
-        dk_ref, dv_ref, smem, ready, free, kv_ready, turns, handover = rest
+        dk_ref, dv_ref, smem, ready, free, kv_ready, turns = rest
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, lr_smem, ds_smem, dq_smem = smem
         k_own = k_smem.at[pl.ds(lax.axis_index("wg") * bk, bk)]  # a compute warpgroup's keys
         rank, pair = common.section_order(lax.axis_index("ctas"), t // keys, b_ * hkv, section)
@@ -87,15 +82,9 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
         lo, hi = common.query_tiles(lr_ref, b, first_key, keys, bq, t, vis)
         per_head = hi - lo
 
-        def dq_piece(g, qb, w):
-            """Where the piece of dQ from warpgroup w for query tile qb of the group's g-th head
-            adds: its rows, and by halves its half of the columns."""
-            rows = dq_ref.at[b, pl.ds(qb * bq, bq), kv_head * group + g]
-            return rows.at[:, pl.ds(w * dq_cols, dq_cols)] if halves else rows
-
         @pl.when(wg < 2)
         def _compute():
-            plgpu.set_max_registers(blocks.dkv_compute_registers, action="increase")
+            plgpu.set_max_registers(common.COMPUTE_REGISTERS, action="increase")
             key0 = first_key + wg * bk
             own = pl.ds(key0, bk)
             plgpu.copy_gmem_to_smem(k_ref.at[b, own, kv_head], k_own, kv_ready.at[wg])
@@ -123,36 +112,22 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
 
             def add_dq(i, g, qb):
                 met, _ = turns
-                owner = None if halves else lax.rem(i, 2)  # by parity: whose piece it is
-                buf = lax.rem(i, ds_buffers)
-                own_k = k_smem.at[:, pl.ds(wg * dq_cols, dq_cols)] if halves else k_smem
+                parity, buf = lax.rem(i, 2), lax.rem(i, ds_buffers)
 
-                def piece():
+                @pl.when(wg == parity)
+                def _():
                     plgpu.barrier_wait(met.at[buf])
 
                     def product(acc_ref):  # over both key tiles at once
-                        plgpu.wgmma(acc_ref, ds_smem.at[buf].transpose((1, 0)), own_k)
+                        plgpu.wgmma(acc_ref, ds_smem.at[buf].transpose((1, 0)), k_smem)
                         return acc_ref[...]
 
-                    part = pl.run_scoped(product, plgpu.ACC((bq, dq_cols), jnp.float32))
-                    if by_warp:  # once the copy of this warpgroup's last piece has read it
-                        full, empty = handover
-                        pl.when(i >= (1 if halves else 2))(lambda: plgpu.barrier_wait(empty.at[wg]))
-                    else:
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add read it
+                    part = pl.run_scoped(product, plgpu.ACC((bq, d), jnp.float32))
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add read it
                     dq_smem.at[wg][...] = part
                     plgpu.commit_smem()
-                    if by_warp:
-                        plgpu.barrier_arrive(full.at[wg])
-                    else:
-                        plgpu.copy_smem_to_gmem(
-                            dq_smem.at[wg], dq_piece(g, qb, wg), reduction_op="add"
-                        )
-
-                if halves:
-                    piece()
-                else:
-                    pl.when(wg == owner)(piece)
+                    dst = dq_ref.at[b, pl.ds(qb * bq, bq), kv_head * group + g]
+                    plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op="add")
 
             def step(i, carry, g, qb, masked):
                 dk, dv = carry
@@ -247,50 +222,22 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
 
         @pl.when(wg == 2)
         def _memory():
-            registers = common.memory_registers(blocks.dkv_compute_registers)
-            plgpu.set_max_registers(registers, action="decrease")
+            plgpu.set_max_registers(common.MEMORY_REGISTERS, action="decrease")
 
-            def stream():
-                rows = (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem)
-                common.stream_query_tiles(
-                    *rows,
-                    ready,
-                    free,
-                    b,
-                    kv_head * group,
-                    group,
-                    lo,
-                    per_head,
-                    bq,
-                    stages,
-                    ready_per_slot,
-                )
-
-            def add_dq_pieces():
-                full, empty = handover
-
-                @pl.loop(0, group * per_head)
-                def _(i):  # the compute warpgroups' steps, in their order
-                    g, qb = lax.div(i, per_head), lo + lax.rem(i, per_head)
-                    for w in (0, 1) if halves else (lax.rem(i, 2),):
-                        plgpu.barrier_wait(full.at[w])
-                        dst = dq_piece(g, qb, w)
-                        plgpu.copy_smem_to_gmem(dq_smem.at[w], dst, reduction_op="add")
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        plgpu.barrier_arrive(empty.at[w])
-
-                plgpu.wait_smem_to_gmem(0)
-
-            if not by_warp:
-                stream()
-                return
-
-            # One warp streams the query tiles in, another adds dQ's pieces up.
-            @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
-            def _():
-                warp = lax.axis_index("warp")
-                pl.when(warp == 0)(stream)
-                pl.when(warp == 1)(add_dq_pieces)
+            rows = (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem)
+            common.stream_query_tiles(
+                *rows,
+                ready,
+                free,
+                b,
+                kv_head * group,
+                group,
+                lo,
+                per_head,
+                bq,
+                stages,
+                ready_per_slot,
+            )
 
     scratch = [
         (
@@ -302,7 +249,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((2, bk), jnp.int32) if vis.bounded else None,
             plgpu.SMEM((ds_buffers, keys, bq), dtype, transforms=tr) if fused else None,
-            plgpu.SMEM((2, bq, dq_cols), jnp.float32, transforms=common.FP32_TRANSFORMS)
+            plgpu.SMEM((2, bq, d), jnp.float32, transforms=common.FP32_TRANSFORMS)
             if fused
             else None,
         ),
@@ -316,8 +263,6 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
         )
         if fused
         else None,
-        # dQ's pieces handed to the memory warpgroup: a warpgroup's is staged, its copy has read it.
-        (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)) if by_warp else None,
     ]
     out_type = (jax.ShapeDtypeStruct(k.shape, dtype),) * 2
     grid = (t // keys * b_ * hkv,)

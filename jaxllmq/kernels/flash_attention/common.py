@@ -15,18 +15,7 @@ from jax import lax
 LOG2E = math.log2(math.e)
 # Registers per thread of a compute and of the memory warpgroup: (2 x 232 + 40) x 128 threads
 # fits an SM's 65,536; asking for more makes setmaxnreg wait forever.
-COMPUTE_REGISTERS = 232
-REGISTERS_OF_THREE_WARPGROUPS = 2 * COMPUTE_REGISTERS + 40  # per thread, all three together
-
-
-def memory_registers(compute_registers: int) -> int:
-    """The memory warpgroup's registers a thread beside two compute warpgroups' of this many."""
-    return REGISTERS_OF_THREE_WARPGROUPS - 2 * compute_registers
-
-
-MEMORY_REGISTERS = memory_registers(COMPUTE_REGISTERS)
-# The most a compute warpgroup can take: setmaxnreg gives a warpgroup 24 registers at least.
-MOST_COMPUTE_REGISTERS = (REGISTERS_OF_THREE_WARPGROUPS - 24) // 2
+COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 # Running maxima start here, not at -inf, so a row with no visible key in a tile stays finite.
 NO_MAX = -1e30
 HEAD_DIMS = (64, 128, 256)
@@ -71,18 +60,8 @@ class FlashBlocks:
     # 128-row steps, they spill). At 256 the warpgroups split by role and read them as before.
     dkv_kv_in_registers: bool = False
     # dQ added up by the dK/dV kernel (fp32, by TMA's reduce-add; not bit-identical from run to
-    # run) instead of dQ's own kernel recomputing S and dP. Head dims 64 and 128 (at 128 by
-    # column halves, backward.DQ_BY_PARITY_HEAD_DIM, slower so far: not the default there).
+    # run) instead of dQ's own kernel recomputing S and dP. Head dim 64 only.
     dq_in_dkv: bool = False
-    # dQ in dK/dV: a warp of the memory warpgroup issues the reduce-adds, so that a compute
-    # warpgroup only hands its staged fp32 piece over (a "full" barrier) and waits, before it
-    # stages the next, for that warp to say the copy has read the last ("empty"), instead of
-    # issuing the add and waiting on its read itself. Not yet timed on a GPU.
-    dq_adds_by_memory_warp: bool = False
-    # dK/dV up to head dim 128: each compute warpgroup's registers a thread, a multiple of 8 from
-    # 232 to 240; the memory warpgroup takes what is left (memory_registers: 40, or 24 at 240).
-    # Not yet timed at 240.
-    dkv_compute_registers: int = COMPUTE_REGISTERS
 
     def __post_init__(self):
         tiles = (self.block_q, self.block_kv, self.dkv_block_kv, self.dkv_block_q)
@@ -97,14 +76,6 @@ class FlashBlocks:
                 "flash attention: tiles are positive multiples of 64 (wgmma's least contraction), "
                 f"stages 1 or more and sections 0 or more, not {self}"
             )
-        registers = self.dkv_compute_registers
-        if registers % 8 or not COMPUTE_REGISTERS <= registers <= MOST_COMPUTE_REGISTERS:
-            raise ValueError(
-                "flash attention: dkv_compute_registers is a multiple of 8 from "
-                f"{COMPUTE_REGISTERS} to {MOST_COMPUTE_REGISTERS}, not {registers}"
-            )
-        if self.dq_adds_by_memory_warp and not self.dq_in_dkv:
-            raise ValueError("flash attention: dq_adds_by_memory_warp needs dq_in_dkv")
 
 
 def kernel_head_dim(head_dim: int) -> int | None:
