@@ -352,15 +352,16 @@ def test_the_tiles_left_unmasked_are_those_seen_whole(window, documents, key_til
         assert list(range(int(start), int(end))) == want, ("queries", row0)
 
 
-def test_dq_in_dkv_is_refused_at_head_dim_128():
-    q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_dq_in_dkv_is_refused_above_head_dim_64(head_dim):
+    q = jax.ShapeDtypeStruct((1, 256, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
     blocks = fa.FlashBlocks(dq_in_dkv=True)
 
     def loss(q, k, v):
         return jnp.sum(fa.flash_attention(q, k, v, scale=1.0, blocks=blocks).astype(jnp.float32))
 
-    with pytest.raises(ValueError, match="dq_in_dkv takes head dim 64 only, not 128"):
+    with pytest.raises(ValueError, match=f"dq_in_dkv takes head dim 64 only, not {head_dim}"):
         export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(q, kv, kv)
 
 

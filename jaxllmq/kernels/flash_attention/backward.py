@@ -43,15 +43,15 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     multiplies the step's dS over both key tiles by K in one product and adds the fp32 result
     into dQ / scale by TMA's reduce-add, while the other goes on. Both meet once at the end,
     before dK and dV overwrite the key tiles."""
-    if q.shape[-1] > MAX_NARROW_HEAD_DIM:
-        return backward_wide.backward_dkv_wide(
-            q, k, v, do, lse, delta, last_row, scale=scale, vis=vis, blocks=blocks
-        )
     fused = blocks.dq_in_dkv
     b_, t, hq, d = q.shape
     if fused and d != DQ_IN_DKV_HEAD_DIM:
         raise ValueError(
             f"flash attention: dq_in_dkv takes head dim {DQ_IN_DKV_HEAD_DIM} only, not {d}"
+        )
+    if d > MAX_NARROW_HEAD_DIM:
+        return backward_wide.backward_dkv_wide(
+            q, k, v, do, lse, delta, last_row, scale=scale, vis=vis, blocks=blocks
         )
     hkv = k.shape[2]
     group = hq // hkv
