@@ -1,7 +1,9 @@
 """benchmarks/run.py, the GPU runner, on CPU: its recipes, how it reads a run's output, its table,
 and its command line (--dry_run runs nothing); and which tiles the flash attention bench times."""
 
+import ctypes
 import dataclasses
+import os
 import subprocess
 import sys
 import types
@@ -180,3 +182,47 @@ def test_visible_blocks_counts_the_tiles_a_window_or_documents_leave():
     first_key, _ = fa.key_bounds(t, late, None, 1)
     assert flash_attention.visible_blocks(first_key) == 1 + 2 + 3 + 2
     assert flash_attention.visible_blocks(jnp.concatenate([causal, window])) == 17
+
+
+PTXAS_REPORT = """\
+ptxas info    : Compiling entry function 'flash_attention_forward_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for flash_attention_forward_mosaic_gpu_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 1 bytes smem
+ptxas warning : Registers are spilled to local memory in function 'flash_attention_dkv_mosaic_gpu\
+_kernel', 120 bytes spill stores, 132 bytes spill loads
+ptxas info    : Compiling entry function 'flash_attention_dkv_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for flash_attention_dkv_mosaic_gpu_kernel
+    120 bytes stack frame, 120 bytes spill stores, 132 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 120 bytes cumulative stack size, 1 bytes smem
+"""
+
+
+def test_the_spill_report_names_each_kernel_with_its_own_spills():
+    """ptxas warns of a kernel's spills before it names the kernel; the warning is not taken for
+    the kernel named before it."""
+    assert flash_attention.ptxas_spills(PTXAS_REPORT) == {
+        "flash_attention_forward": [0, 0],
+        "flash_attention_dkv": [120, 132],
+    }
+    assert flash_attention.ptxas_spills("") == {}
+
+
+def test_fd_output_holds_what_native_code_writes_to_either_descriptor():
+    libc = ctypes.CDLL(None)
+    before = [os.fstat(fd).st_ino for fd in (1, 2)]
+    with flash_attention.fd_output() as got:
+        os.write(1, b"to stdout\n")
+        os.write(2, b"to stderr\n")
+        libc.printf(b"buffered by C\n")
+    assert got[0].splitlines() == ["to stdout", "to stderr", "buffered by C"]
+    assert [os.fstat(fd).st_ino for fd in (1, 2)] == before  # each descriptor is back
+
+
+def test_spills_without_a_gpu_is_a_one_line_exit():
+    cmd = [sys.executable, "-m", "benchmarks.flash_attention", "--spills"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        "--spills: Mosaic GPU compiles its kernels on a GPU only; run it there"
+    )
