@@ -1,10 +1,10 @@
 """The Mosaic GPU flash attention on the GPU: forward and backward against the float32 reference
 within twice cuDNN's own error at the same shape, causal, over packed documents and with a
 sliding window, at head dims 64, 128 and 256, by default (dQ added up in the dK/dV kernel at 64)
-and deterministic, and with the dK/dV kernel's other orders; the same
-results on each of several calls (a race between warpgroups shows as a call that differs; dQ
-added up in any order: each call's within the bound); and the same results through the model's
-per-device path (shard_map) as from the plain call (deterministic: bit for bit)."""
+and deterministic, and with the dK/dV kernel's other orders; the same results on each of
+several calls (a race between warpgroups shows as a call that differs; dQ added up in any
+order: each call's within the bound); and the same results through the model's per-device
+path (shard_map) as from the plain call (deterministic: bit for bit)."""
 
 import dataclasses
 
