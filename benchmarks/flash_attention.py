@@ -302,12 +302,13 @@ def fd_output():
             got.append(sink.read().decode(errors="replace"))
 
 
-def report_spills(d: int) -> None:
-    """One JSON line per --blocks setting at head dim d: each kernel's spills, from compiling
-    ours' causal forward + backward (Mosaic GPU compiles its kernels with the jit's compile)."""
-    q = jax.ShapeDtypeStruct((1, 2048, FLAGS.heads, d), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, 2048, FLAGS.kv_heads, d), jnp.bfloat16)
-    for spec in FLAGS.blocks:
+def report_spills(d: int, specs: list[str], heads: int, kv_heads: int) -> None:
+    """One JSON line per tile setting (a --blocks spec) at head dim d: each kernel's spills, from
+    compiling ours' causal forward + backward (Mosaic GPU compiles its kernels with the jit's
+    compile), or the error that stopped it."""
+    q = jax.ShapeDtypeStruct((1, 2048, heads, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 2048, kv_heads, d), jnp.bfloat16)
+    for spec in specs:
         row = {"head_dim": d, "variant": f"mosaic {spec or 'default'}"}
         try:
             blocks = parse_blocks(spec, d)
@@ -333,7 +334,7 @@ def main(argv):
                 "--spills: Mosaic GPU compiles its kernels on a GPU only; run it there"
             )
         for d in map(int, FLAGS.head_dims):
-            report_spills(d)
+            report_spills(d, FLAGS.blocks, FLAGS.heads, FLAGS.kv_heads)
         return
     if FLAGS.jax_linear_attention:
         jax_linear_attention_kernel("ranged", 1.0)  # not installed: stop before any shape

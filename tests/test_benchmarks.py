@@ -3,6 +3,7 @@ and its command line (--dry_run runs nothing); and which tiles the flash attenti
 
 import ctypes
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -217,6 +218,27 @@ def test_fd_output_holds_what_native_code_writes_to_either_descriptor():
         libc.printf(b"buffered by C\n")
     assert got[0].splitlines() == ["to stdout", "to stderr", "buffered by C"]
     assert [os.fstat(fd).st_ino for fd in (1, 2)] == before  # each descriptor is back
+
+
+def test_spills_prints_each_settings_kernels_or_the_error_that_stopped_it(monkeypatch, capsys):
+    class Compiled:  # stands in for the jit: its compile prints ptxas's report, as on a GPU
+        def lower(self, *shapes):
+            return self
+
+        def compile(self):
+            os.write(2, PTXAS_REPORT.encode())
+
+    monkeypatch.setattr(flash_attention, "_grad_fn", lambda attend: Compiled())
+    flash_attention.report_spills(128, ["", "stages=0"], heads=4, kv_heads=2)
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rows[0] == {
+        "head_dim": 128,
+        "variant": "mosaic default",
+        "spills": {"flash_attention_forward": [0, 0], "flash_attention_dkv": [120, 132]},
+    }
+    assert rows[1]["variant"] == "mosaic stages=0"
+    assert rows[1]["error"].startswith("ValueError: flash attention: tiles are positive")
+    assert len(rows) == 2
 
 
 def test_spills_without_a_gpu_is_a_one_line_exit():
