@@ -12,7 +12,7 @@ the project does not need them). With --spills, no timing: each kernel's registe
 ptxas reports them, per head dim and --blocks setting.
 
     python3 -m benchmarks.flash_attention --shapes=8x2048,4x4096,2x8192 --head_dims=64,128
-    python3 -m benchmarks.flash_attention --spills --head_dims=128 --blocks= --blocks=stages=3
+    python3 -m benchmarks.flash_attention --spills --head_dims=128 --blocks= --blocks=dkv_overlap=1
 """
 
 from __future__ import annotations
