@@ -144,6 +144,11 @@ def _errors(attend, reference, q, k, v, do) -> tuple[dict, dict]:
     return largest, l2
 
 
+def error_text(e: Exception) -> str:
+    """A variant's failure as its row reports it: the exception's type and message, cut short."""
+    return f"{type(e).__name__}: {str(e)[:400]}"
+
+
 def visible_blocks(first_key, block: int = 128) -> int:
     """The block x block tiles of the causal score matrices, over the batch, in which some query
     sees a key: query block i sees key blocks from its first row's first key's up to its
@@ -258,7 +263,7 @@ def measure(b: int, t: int, d: int) -> None:
                 row["max_abs_error"], row["rel_l2_error"] = _errors(attend, ref, q, k, v, do)
             emit(row)
         except Exception as e:  # one variant's failure must not end the sweep
-            emit({"variant": name, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+            emit({"variant": name, "error": error_text(e)})
 
 
 def ptxas_spills(report: str) -> dict[str, list[int]]:
@@ -317,10 +322,10 @@ def report_spills(d: int, specs: list[str], heads: int, kv_heads: int) -> None:
             )
             jax.clear_caches()
             with fd_output() as report:
-                grad.lower(q, kv, kv, q).compile()
+                grad.lower(q, kv, kv, q).compile()  # dO has the queries' shape
             row["spills"] = ptxas_spills(report[0])
         except Exception as e:  # a setting the kernels refuse must not end the sweep
-            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            row["error"] = error_text(e)
         print(json.dumps(row), flush=True)
 
 
