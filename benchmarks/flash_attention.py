@@ -83,12 +83,12 @@ PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+?)(?:_mosaic_gpu_kernel
 PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
-def parse_blocks(spec: str, head_dim: int) -> fa.FlashBlocks:
-    """The head dim's default tiles (what the model runs) with the fields of 'field=value,...'
-    changed (empty: the defaults)."""
+def parse_blocks(spec: str, head_dim: int, seq_len: int = 0) -> fa.FlashBlocks:
+    """The default tiles of causal attention at this head dim and sequence length (what the
+    model runs) with the fields of 'field=value,...' changed (empty: the defaults)."""
     fields = dict(item.split("=") for item in spec.split(",") if item)
     changes = {name: int(value) for name, value in fields.items()}
-    return dataclasses.replace(fa.default_blocks(head_dim), **changes)
+    return dataclasses.replace(fa.default_blocks(head_dim, causal_len=seq_len), **changes)
 
 
 def jax_linear_attention_kernel(backward_mode: str, scale: float):
@@ -161,7 +161,7 @@ def visible_blocks(first_key, block: int = 128) -> int:
 def _kernels_apart(q, k, v, do, scale) -> dict:
     """ms of each of ours' kernels alone, causal with the default tiles (dK/dV's with its dQ
     buffer's zeroing and rounding where it adds dQ up)."""
-    blocks = fa.default_blocks(q.shape[-1])
+    blocks = fa.default_blocks(q.shape[-1], causal_len=q.shape[1])
     kw = dict(scale=scale, vis=common.Visibility(), blocks=blocks)
     fwd = jax.jit(lambda q, k, v: forward.forward(q, k, v, None, **kw))
     o, lse = fwd(q, k, v)
@@ -208,7 +208,7 @@ def measure(b: int, t: int, d: int) -> None:
         return lambda q, k, v: fa.flash_attention(q, k, v, scale=scale, blocks=blocks)
 
     for spec in FLAGS.blocks:
-        variants[f"mosaic {spec or 'default'}"] = (ours(parse_blocks(spec, d)), reference)
+        variants[f"mosaic {spec or 'default'}"] = (ours(parse_blocks(spec, d, t)), reference)
     if FLAGS.jax_linear_attention:
         for mode in ("ranged", "fused"):
             variants[f"jax-linear-attention {mode}"] = (
@@ -316,7 +316,7 @@ def report_spills(d: int, specs: list[str], heads: int, kv_heads: int) -> None:
     for spec in specs:
         row = {"head_dim": d, "variant": f"mosaic {spec or 'default'}"}
         try:
-            blocks = parse_blocks(spec, d)
+            blocks = parse_blocks(spec, d, q.shape[1])
             grad = _grad_fn(
                 lambda q, k, v, b=blocks: fa.flash_attention(q, k, v, scale=d**-0.5, blocks=b)
             )

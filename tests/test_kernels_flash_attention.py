@@ -108,6 +108,7 @@ def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
         (256, 64, True, 100, fa.FlashBlocks(dq_in_dkv=True)),
         (256, 64, True, 100, fa.FlashBlocks(dq_in_dkv=True, dkv_overlap=True)),
         (256, 128, False, None, fa.FlashBlocks(dkv_kv_in_registers=True)),
+        (512, 64, False, None, fa.default_blocks(64, causal_len=fa.WIDE_KEY_TILES_FROM)),
         (256, 64, True, 100, None),
         (200, 96, True, 100, None),
         (256, 80, False, None, None),
@@ -122,6 +123,7 @@ def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
         "bounded-dq-in-dkv-64",
         "bounded-dq-in-dkv-overlap-64",
         "kv-in-registers-128",
+        "256-key-tiles-64",
         "bounded-default-64",
         "padded-bounded-96",
         "80",
@@ -363,6 +365,39 @@ def test_dq_in_dkv_is_refused_above_head_dim_64(head_dim):
 
     with pytest.raises(ValueError, match=f"dq_in_dkv takes head dim 64 only, not {head_dim}"):
         export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(q, kv, kv)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "t", "documents", "window", "key_tile"),
+    [
+        (64, 4096, False, None, 256),
+        (32, 8192, False, None, 256),
+        (64, 4000, False, None, 128),
+        (64, 4096, True, None, 128),
+        (64, 4096, False, 1024, 128),
+        (128, 8192, False, None, 128),
+    ],
+    ids=["64-4096", "32-8192", "64-4000", "64-documents", "64-window", "128-8192"],
+)
+def test_the_forward_takes_256_key_tiles_for_long_plain_causal_attention_at_head_dim_64(
+    monkeypatch, head_dim, t, documents, window, key_tile
+):
+    """The default tiles for a call: 256-key forward tiles from WIDE_KEY_TILES_FROM tokens on,
+    at kernel head dim 64 and without documents or a window (which skip whole key tiles)."""
+    taken = []
+
+    def kernels(q, k, v, first_key, last_row, scale, vis, blocks):
+        taken.append(blocks)
+        return q
+
+    monkeypatch.setattr(fa, "_flash", kernels)
+    q = jnp.zeros((1, t, 2, head_dim), jnp.bfloat16)
+    kv = jnp.zeros((1, t, 1, head_dim), jnp.bfloat16)
+    seg = _segments(1, t, [0, t // 2]) if documents else None
+    fa.flash_attention(q, kv, kv, scale=1.0, segment_ids_BxT=seg, window=window)
+    [blocks] = taken
+    assert blocks.block_kv == key_tile
+    assert dataclasses.replace(blocks, block_kv=128) == fa.default_blocks(head_dim)
 
 
 @pytest.mark.parametrize(

@@ -46,6 +46,7 @@ def _outputs(attend, q, k, v, do):
         (64, fa.FlashBlocks(dq_in_dkv=True, dkv_overlap=True)),
         (96, None),
         (64, dataclasses.replace(fa.default_blocks(64, deterministic=True), block_kv=64)),
+        (64, fa.default_blocks(64, causal_len=fa.WIDE_KEY_TILES_FROM)),
         (256, None),
     ],
     ids=[
@@ -56,6 +57,7 @@ def _outputs(attend, q, k, v, do):
         "64-dq-in-dkv-overlap",
         "96-padded",
         "64-forward-64-key-tiles",
+        "64-forward-256-key-tiles",
         "256",
     ],
 )

@@ -9,7 +9,8 @@ at 2 x 8192 on an H200.
 
 The forward keeps a CTA's 2 x block_q query rows in shared memory, one block_q half per compute
 warpgroup, while a memory warpgroup streams key and value tiles through a ring of `stages`
-TMA-filled buffers. It is persistent (one CTA per SM takes query blocks in turn, loading the
+TMA-filled buffers (at head dim 64, plain causal attention of WIDE_KEY_TILES_FROM tokens or more
+takes 256-key tiles, half the steps). It is persistent (one CTA per SM takes query blocks in turn, loading the
 next block's rows while it finishes the last), which made it 4-11% faster; the backward's
 kernels keep a CTA per block, as persistent they were no faster. Each compute warpgroup issues
 wgmma for S = Q K^T, runs an online softmax in fp32 registers and issues wgmma for O += P V
@@ -52,6 +53,7 @@ from jaxllmq.kernels.flash_attention.common import (
     CAUSAL_FASTER_HEAD_DIMS,
     FASTER_WINDOW_MAX,
     HEAD_DIMS,
+    WIDE_KEY_TILES_FROM,
     FlashBlocks,
     Visibility,
     default_blocks,
@@ -62,6 +64,7 @@ __all__ = [
     "CAUSAL_FASTER_HEAD_DIMS",
     "FASTER_WINDOW_MAX",
     "HEAD_DIMS",
+    "WIDE_KEY_TILES_FROM",
     "FlashBlocks",
     "default_blocks",
     "fits",
@@ -187,13 +190,14 @@ def flash_attention(
     A T that is not a multiple of the tiles is padded at the end (causal attention keeps the
     padding out of every real query's keys), a D below 64 or between 64 and 128 with zero
     columns (kernel_head_dim), and the output cut back. `blocks`: the tiles (default_blocks for
-    the head dim and `deterministic` when None; `deterministic`: the gradients
-    bit-identical from run to run)."""
+    the head dim, `deterministic` and, for plain causal attention, T when None;
+    `deterministic`: the gradients bit-identical from run to run)."""
     b, t, hq, d = q_BxTxNxH.shape
     why = fits(d, hq, k_BxTxKxH.shape[2], q_BxTxNxH.dtype)
     if why:
         raise ValueError(f"flash attention: the kernel does not take {why}")
-    blocks = blocks or default_blocks(d, deterministic)
+    plain_causal = window is None and segment_ids_BxT is None
+    blocks = blocks or default_blocks(d, deterministic, t if plain_causal else 0)
     pad = -t % _tile_multiple(blocks)
     pad_d = kernel_head_dim(d) - d
     q, k, v, seg = q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT
