@@ -106,8 +106,8 @@ def default_blocks(head_dim: int, deterministic: bool = False, causal_len: int =
     128-row steps spill registers (1.3-1.4x slower), and dQ in the dK/dV kernel was 1.2-1.3x
     slower; there dK/dV's CTAs run in one section (0.4-2% faster than sections of 32 MiB, which
     are 1-3% faster at 64) and wait for a step's four loads one by one (1.5-2% faster than on one
-    barrier, which is 2.6-2.9% faster at 64). Three forward stages or 192-key forward tiles were
-    no faster at 64 and do not fit shared memory at 128."""
+    barrier, which is 2.6-2.9% faster at 64). Three forward stages were no faster at 64, 192-key
+    forward tiles 1.3-1.8x slower; neither, nor 256-key tiles, fits shared memory at 128."""
     kernel_d = kernel_head_dim(head_dim)
     if kernel_d == 64:
         return FlashBlocks(
