@@ -9,7 +9,8 @@ share of causal's time it takes. Times are the median over batches of calls issu
 back. One JSON line per measurement. With --jax_linear_attention, also that package's kernel of
 the same design; with --flash_attn3, FlashAttention-3's CUDA kernels for Hopper (optional extras:
 the project does not need them). With --spills, no timing: each kernel's register spills as
-ptxas reports them, per head dim and --blocks setting.
+ptxas reports them, and how many sit in its loops of matrix products (benchmarks/kernel_code.py),
+per head dim and --blocks setting.
 
     python3 -m benchmarks.flash_attention --shapes=8x2048,4x4096,2x8192 --head_dims=64,128
     python3 -m benchmarks.flash_attention --spills --head_dims=128 --blocks= --blocks=dkv_overlap=1
@@ -17,19 +18,16 @@ ptxas reports them, per head dim and --blocks setting.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import json
 import os
-import re
-import sys
 import tempfile
 
 import jax
 import jax.numpy as jnp
 from absl import app, flags
 
+from benchmarks import kernel_code
 from jaxllmq import bench
 from jaxllmq.cli import flags as cli_flags
 from jaxllmq.kernels import flash_attention as fa
@@ -74,13 +72,10 @@ flags.DEFINE_bool(
     False,
     "Instead of timing, compile ours' forward + backward at each head dim and --blocks setting "
     "and print each kernel's register spills as ptxas reports them (bytes a thread stores to "
-    "and loads from local memory): a compile each, no timing, the first test of a change to "
-    "a kernel's live values.",
+    "and loads from local memory), and, where ptxas and nvdisasm are on PATH, each loop of "
+    "matrix products' instructions, wgmma, local stores and loads: a compile each, no "
+    "timing, the first test of a change to a kernel's live values.",
 )
-# ptxas's verbose report: an entry function's name, then its spills (a warning naming the
-# function may come first, and is skipped, since no entry function is open then).
-PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+?)(?:_mosaic_gpu_kernel)?'")
-PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
 def parse_blocks(spec: str, head_dim: int, seq_len: int = 0) -> fa.FlashBlocks:
@@ -266,51 +261,11 @@ def measure(b: int, t: int, d: int) -> None:
             emit({"variant": name, "error": error_text(e)})
 
 
-def ptxas_spills(report: str) -> dict[str, list[int]]:
-    """{kernel: [bytes of spill stores, bytes of spill loads] a thread} from ptxas's report."""
-    spills, kernel = {}, None
-    for line in report.splitlines():
-        if entry := PTXAS_ENTRY.search(line):
-            kernel = entry.group(1)
-        elif kernel and (counts := PTXAS_SPILLS.search(line)):
-            spills[kernel] = [int(counts.group(1)), int(counts.group(2))]
-            kernel = None
-    return spills
-
-
-@contextlib.contextmanager
-def fd_output():
-    """What the process writes to its stdout and stderr descriptors inside the block (native
-    code's too, which Python's sys.stdout does not see): a list that holds it as one string
-    once the block ends."""
-    libc = ctypes.CDLL(None)
-
-    def flush():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        libc.fflush(None)  # C's buffered streams
-
-    got = []
-    with tempfile.TemporaryFile() as sink:
-        flush()
-        saved = {fd: os.dup(fd) for fd in (1, 2)}
-        for fd in saved:
-            os.dup2(sink.fileno(), fd)
-        try:
-            yield got
-        finally:
-            flush()
-            for fd, original in saved.items():
-                os.dup2(original, fd)
-                os.close(original)
-            sink.seek(0)
-            got.append(sink.read().decode(errors="replace"))
-
-
 def report_spills(d: int, specs: list[str], heads: int, kv_heads: int) -> None:
     """One JSON line per tile setting (a --blocks spec) at head dim d: each kernel's spills, from
     compiling ours' causal forward + backward (Mosaic GPU compiles its kernels with the jit's
-    compile), or the error that stopped it."""
+    compile, and dumps them where MOSAIC_GPU_DUMP_TO says), with the loops of matrix products
+    where kernel_code can read them, or the error that stopped it."""
     q = jax.ShapeDtypeStruct((1, 2048, heads, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 2048, kv_heads, d), jnp.bfloat16)
     for spec in specs:
@@ -321,9 +276,15 @@ def report_spills(d: int, specs: list[str], heads: int, kv_heads: int) -> None:
                 lambda q, k, v, b=blocks: fa.flash_attention(q, k, v, scale=d**-0.5, blocks=b)
             )
             jax.clear_caches()
-            with fd_output() as report:
-                grad.lower(q, kv, kv, q).compile()  # dO has the queries' shape
-            row["spills"] = ptxas_spills(report[0])
+            with tempfile.TemporaryDirectory() as dump:
+                os.environ["MOSAIC_GPU_DUMP_TO"] = dump
+                try:
+                    grad.lower(q, kv, kv, q).compile()  # dO has the queries' shape
+                finally:
+                    del os.environ["MOSAIC_GPU_DUMP_TO"]
+                row["spills"], loops = kernel_code.compiled_kernels(dump)
+            if loops:  # [instructions, wgmma, local stores, local loads] a loop
+                row["product_loops"] = loops
         except Exception as e:  # a setting the kernels refuse must not end the sweep
             row["error"] = error_text(e)
         print(json.dumps(row), flush=True)
@@ -332,8 +293,6 @@ def report_spills(d: int, specs: list[str], heads: int, kv_heads: int) -> None:
 def main(argv):
     del argv
     if FLAGS.spills:
-        # Set before the GPU backend loads, in case Mosaic GPU reads it once.
-        os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
         if jax.default_backend() != "gpu":
             raise SystemExit(
                 "--spills: Mosaic GPU compiles its kernels on a GPU only; run it there"

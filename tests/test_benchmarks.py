@@ -1,10 +1,10 @@
 """benchmarks/run.py, the GPU runner, on CPU: its recipes, how it reads a run's output, its table,
 and its command line (--dry_run runs nothing); and which tiles the flash attention bench times."""
 
-import ctypes
 import dataclasses
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import types
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import flash_attention, run
+from benchmarks import flash_attention, kernel_code, run
 from jaxllmq.kernels import flash_attention as fa
 
 
@@ -202,40 +202,74 @@ ptxas info    : Used 168 registers, used 16 barriers, 120 bytes cumulative stack
 def test_the_spill_report_names_each_kernel_with_its_own_spills():
     """ptxas warns of a kernel's spills before it names the kernel; the warning is not taken for
     the kernel named before it."""
-    assert flash_attention.ptxas_spills(PTXAS_REPORT) == {
+    assert kernel_code.ptxas_spills(PTXAS_REPORT) == {
         "flash_attention_forward": [0, 0],
         "flash_attention_dkv": [120, 132],
     }
-    assert flash_attention.ptxas_spills("") == {}
+    assert kernel_code.ptxas_spills("") == {}
 
 
-def test_fd_output_holds_what_native_code_writes_to_either_descriptor():
-    libc = ctypes.CDLL(None)
-    before = [os.fstat(fd).st_ino for fd in (1, 2)]
-    with flash_attention.fd_output() as got:
-        os.write(1, b"to stdout\n")
-        os.write(2, b"to stderr\n")
-        libc.printf(b"buffered by C\n")
-    assert got[0].splitlines() == ["to stdout", "to stderr", "buffered by C"]
-    assert [os.fstat(fd).st_ino for fd in (1, 2)] == before  # each descriptor is back
+# nvdisasm's listing, cut down: an outer loop (over heads) around two loops of products (masked
+# steps, then the rest); a barrier wait's retry after the last EXIT, which branches back into
+# the second loop and is no loop.
+SASS = """\
+.text.flash_attention_dkv_mosaic_gpu_kernel:
+        /*0000*/                   S2R R0, SR_TID.X ;
+.L_x_1:
+        /*0010*/                   IADD3 R2, R2, 0x1, RZ ;
+.L_x_2:
+        /*0020*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT ;
+        /*0030*/                   STL [R1+0x10], R3 ;
+        /*0040*/                   LDL R4, [R1+0x10] ;
+        /*0050*/                   LDL R5, [R1+0x14] ;
+        /*0060*/              @P0 BRA `(.L_x_2) ;
+.L_x_3:
+        /*0070*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R8+URZ], R9 ;
+        /*0080*/              @!P1 BRA `(.L_x_9) ;
+.L_x_4:
+        /*0090*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*00a0*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24, gsb0 ;
+        /*00b0*/              @P2 BRA `(.L_x_3) ;
+        /*00c0*/              @P3 BRA `(.L_x_1) ;
+        /*00d0*/                   LDL R6, [R1+0x18] ;
+        /*00e0*/                   EXIT ;
+.L_x_9:
+        /*00f0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R8+URZ], R9 ;
+        /*0100*/              @!P1 BRA `(.L_x_9) ;
+        /*0110*/                   BRA `(.L_x_4) ;
+"""
+
+
+def test_the_loops_of_products_and_the_spills_inside_them():
+    """The innermost loops that issue wgmma, each with its local stores and loads; the outer
+    loop and the wait's retry, which branches back from past the EXIT, are not among them."""
+    assert kernel_code.product_loops(SASS) == [[5, 1, 1, 2], [5, 2, 0, 0]]
+    assert kernel_code.product_loops("") == []
 
 
 def test_spills_prints_each_settings_kernels_or_the_error_that_stopped_it(monkeypatch, capsys):
-    class Compiled:  # stands in for the jit: its compile prints ptxas's report, as on a GPU
+    class Compiled:  # stands in for the jit: its compile dumps ptxas's report, as on a GPU
         def lower(self, *shapes):
             return self
 
         def compile(self):
-            os.write(2, PTXAS_REPORT.encode())
+            dump = pathlib.Path(os.environ["MOSAIC_GPU_DUMP_TO"])
+            dump.joinpath("flash_attention_dkv_1.ptxas").write_text(PTXAS_REPORT)
 
     monkeypatch.setattr(flash_attention, "_grad_fn", lambda attend: Compiled())
+    monkeypatch.setattr(kernel_code, "machine_code", lambda ptx: SASS)
     flash_attention.report_spills(128, ["", "stages=0"], heads=4, kv_heads=2)
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert rows[0] == {
         "head_dim": 128,
         "variant": "mosaic default",
         "spills": {"flash_attention_forward": [0, 0], "flash_attention_dkv": [120, 132]},
+        "product_loops": {
+            "flash_attention_forward": [[5, 1, 1, 2], [5, 2, 0, 0]],
+            "flash_attention_dkv": [[5, 1, 1, 2], [5, 2, 0, 0]],
+        },
     }
+    assert "MOSAIC_GPU_DUMP_TO" not in os.environ
     assert rows[1]["variant"] == "mosaic stages=0"
     assert rows[1]["error"].startswith("ValueError: flash attention: tiles are positive")
     assert len(rows) == 2

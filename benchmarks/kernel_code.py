@@ -1,0 +1,106 @@
+"""What ptxas made of a Mosaic GPU kernel: its register spills, and whether they sit in the
+loops that issue the matrix products (where they cost time) or outside them.
+
+Mosaic GPU writes each kernel's PTX and ptxas's report into the folder that MOSAIC_GPU_DUMP_TO
+names, when it compiles the kernel. `compiled_kernels` reads that folder. Where ptxas and
+nvdisasm are on PATH (CUDA's toolkit; nvdisasm also comes as the nvidia-cuda-nvdisasm wheel),
+it compiles the PTX again and reads the machine code's loops. Neither needs a GPU.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import shutil
+import subprocess
+import tempfile
+
+# ptxas's verbose report: an entry function's name, then its spills (a warning naming the
+# function with its spills may come before the name, and is not taken for the function before).
+PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+?)(?:_mosaic_gpu_kernel)?'")
+PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+PTX_TARGET = re.compile(r"^\.target\s+(\w+)", re.MULTILINE)
+# nvdisasm's listing: `/*0a30*/  [@P0] OPCODE operands ;` and labels `.L_x_12:`.
+SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", re.MULTILINE)
+SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):", re.MULTILINE)
+SASS_BRANCH = re.compile(r"\bBRA\s+`?\(?(\.L_x_\d+)")
+
+
+def ptxas_spills(report: str) -> dict[str, list[int]]:
+    """{kernel: [bytes of spill stores, bytes of spill loads] a thread} from ptxas's report."""
+    spills, kernel = {}, None
+    for line in report.splitlines():
+        if entry := PTXAS_ENTRY.search(line):
+            kernel = entry.group(1)
+        elif kernel and (counts := PTXAS_SPILLS.search(line)):
+            spills[kernel] = [int(counts.group(1)), int(counts.group(2))]
+            kernel = None
+    return spills
+
+
+def product_loops(sass: str) -> list[list[int]]:
+    """[instructions, wgmma, local stores, local loads] of each innermost loop of one kernel's
+    machine code that issues wgmma (HGMMA), in code order. A loop is a backward branch's span;
+    the branches after the last EXIT are the out-of-line retries of barrier waits, which jump
+    back into the code and are no loops."""
+    events = sorted(
+        [(m.start(), "label", m.group(1)) for m in SASS_LABEL.finditer(sass)]
+        + [(m.start(), "instruction", m.group(1)) for m in SASS_INSTRUCTION.finditer(sass)]
+    )
+    code, labels = [], {}
+    for _, kind, text in events:
+        if kind == "label":
+            labels[text] = len(code)
+        else:
+            code.append(text)
+    exits = [i for i, text in enumerate(code) if re.search(r"\bEXIT\b", text)]
+    end = exits[-1] if exits else len(code)
+    spans = []
+    for i, text in enumerate(code[:end]):
+        branch = SASS_BRANCH.search(text)
+        if branch and labels.get(branch.group(1), i + 1) <= i:
+            body = code[labels[branch.group(1)] : i + 1]
+            if any("HGMMA" in t for t in body):
+                spans.append((labels[branch.group(1)], i))
+    innermost = [
+        (a, b)
+        for a, b in spans
+        if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)
+    ]
+
+    def count(body, opcode):
+        return sum(1 for t in body if re.search(rf"\b{opcode}\b", t))
+
+    return [
+        [b - a + 1] + [count(code[a : b + 1], op) for op in ("HGMMA", "STL", "LDL")]
+        for a, b in sorted(innermost)
+    ]
+
+
+def machine_code(ptx: pathlib.Path) -> str | None:
+    """nvdisasm's listing of the PTX compiled by ptxas (None without both tools)."""
+    if not (shutil.which("ptxas") and shutil.which("nvdisasm")):
+        return None
+    target = PTX_TARGET.search(ptx.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = pathlib.Path(tmp, "kernel.cubin")
+        arch = f"-arch={target.group(1)}" if target else "-arch=sm_90a"
+        subprocess.run(["ptxas", arch, "-o", str(cubin), str(ptx)], check=True)
+        listing = subprocess.run(
+            ["nvdisasm", "-ndf", "-c", str(cubin)], check=True, capture_output=True, text=True
+        )
+    return listing.stdout
+
+
+def compiled_kernels(dump: str) -> tuple[dict, dict]:
+    """({kernel: spills}, {kernel: product_loops}) of the kernels Mosaic GPU dumped into the
+    folder `dump` (the loops only where machine_code has its tools)."""
+    folder = pathlib.Path(dump)
+    spills, loops = {}, {}
+    for report in sorted(folder.glob("*.ptxas")):
+        spills |= ptxas_spills(report.read_text())
+        sass = machine_code(report.with_suffix(".ptx"))
+        if sass is not None:
+            for kernel in ptxas_spills(report.read_text()):
+                loops[kernel] = product_loops(sass)
+    return spills, loops
