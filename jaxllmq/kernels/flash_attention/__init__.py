@@ -10,20 +10,20 @@ at 2 x 8192 on an H200.
 The forward keeps a CTA's 2 x block_q query rows in shared memory, one block_q half per compute
 warpgroup, while a memory warpgroup streams key and value tiles through a ring of `stages`
 TMA-filled buffers (at head dim 64, plain causal attention of WIDE_KEY_TILES_FROM tokens or more
-takes 256-key tiles, half the steps). It is persistent (one CTA per SM takes query blocks in turn, loading the
-next block's rows while it finishes the last), which made it 4-11% faster; the backward's
-kernels keep a CTA per block, as persistent they were no faster. Each compute warpgroup issues
-wgmma for S = Q K^T, runs an online softmax in fp32 registers and issues wgmma for O += P V
-with P straight from registers; a barrier shared by the two compute warpgroups staggers them,
-so that one's softmax runs while the other's matmuls occupy the tensor cores. The backward
-recomputes P per tile from the forward's logsumexp: one kernel accumulates dK and dV per key
-tile over the query tiles that see it (all query heads of its GQA group, so K and V are never
-repeated in memory), another dQ per query tile. At head dim 64 the dK/dV kernel adds dQ up
+takes 256-key tiles, half the steps). It is persistent (one CTA per SM takes query blocks in
+turn, loading the next block's rows while it finishes the last), which made it 4-11% faster; the
+backward's kernels keep a CTA per block, as persistent they were no faster. Each compute
+warpgroup issues wgmma for S = Q K^T, runs an online softmax in fp32 registers and issues wgmma
+for O += P V with P straight from registers; a barrier shared by the two compute warpgroups
+staggers them, so that one's softmax runs while the other's matmuls occupy the tensor cores. The
+backward recomputes P per tile from the forward's logsumexp: one kernel accumulates dK and dV
+per key tile over the query tiles that see it (all query heads of its GQA group, so K and V are
+never repeated in memory), another dQ per query tile. At head dim 64 the dK/dV kernel adds dQ up
 too (FlashBlocks.dq_in_dkv: five matmuls a tile, not seven), by fp32 reduce-adds whose order,
-and so whose rounding, varies from run to run; `deterministic` calls keep dQ's own kernel,
-which writes each tile once. At 64, deterministic or not, its compute warpgroups also hold
-their key and value tiles in registers (FlashBlocks.dkv_kv_in_registers), so that S^T's and
-dP^T's products read only the query rows and dO from shared memory.
+and so whose rounding, varies from run to run; `deterministic` calls keep dQ's own kernel, which
+writes each tile once. At 64, deterministic or not, its compute warpgroups also hold their key
+and value tiles in registers (FlashBlocks.dkv_kv_in_registers), so that S^T's and dP^T's
+products read only the query rows and dO from shared memory.
 
 Which keys a query sees is causal, and optionally bounded below by its document's start and its
 sliding window: the first key of row r is first_key[r] = max(document start, r - window + 1),
