@@ -30,7 +30,8 @@ CAUSAL_FASTER_HEAD_DIMS = (64, 256)
 FASTER_WINDOW_MAX = 1024
 # From this sequence length on, causal attention at head dim 64 (no documents, no window) runs
 # its forward over 256-key tiles, half the steps of 128-key ones: on an H200 the forward took
-# 8% less time at 2 x 8192 (three calls), 0-4% less at 4 x 4096 and 2% more at 8 x 2048.
+# 8% less time at 2 x 8192 (three calls), up to 4% less at 4 x 4096 (one call 0.6% more) and
+# 2% more at 8 x 2048.
 WIDE_KEY_TILES_FROM = 4096
 # The query and dO bytes of a dK/dV section: well inside an H200's 50 MB of L2.
 DKV_SECTION_BYTES = 32 << 20
