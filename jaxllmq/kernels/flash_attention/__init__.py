@@ -196,8 +196,8 @@ def flash_attention(
     why = fits(d, hq, k_BxTxKxH.shape[2], q_BxTxNxH.dtype)
     if why:
         raise ValueError(f"flash attention: the kernel does not take {why}")
-    plain_causal = window is None and segment_ids_BxT is None
-    blocks = blocks or default_blocks(d, deterministic, t if plain_causal else 0)
+    vis = Visibility(window=window, documents=segment_ids_BxT is not None)
+    blocks = blocks or default_blocks(d, deterministic, 0 if vis.bounded else t)
     pad = -t % _tile_multiple(blocks)
     pad_d = kernel_head_dim(d) - d
     q, k, v, seg = q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT
@@ -205,7 +205,6 @@ def flash_attention(
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, pad_d))) for x in (q, k, v))
     if pad and seg is not None:  # the padding a document of its own
         seg = jnp.concatenate([seg, jnp.repeat(seg[:, -1:] + 1, pad, axis=1)], axis=1)
-    vis = Visibility(window=window, documents=seg is not None)
     first_key = last_row = None
     if vis.bounded:
         first_key, last_row = key_bounds(t + pad, seg, window, b)
