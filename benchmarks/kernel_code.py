@@ -58,10 +58,9 @@ def product_loops(sass: str) -> list[list[int]]:
     spans = []
     for i, text in enumerate(code[:end]):
         branch = SASS_BRANCH.search(text)
-        if branch and labels.get(branch.group(1), i + 1) <= i:
-            body = code[labels[branch.group(1)] : i + 1]
-            if any("HGMMA" in t for t in body):
-                spans.append((labels[branch.group(1)], i))
+        start = labels.get(branch.group(1), i + 1) if branch else i + 1
+        if start <= i and any("HGMMA" in t for t in code[start : i + 1]):
+            spans.append((start, i))
     innermost = [
         (a, b)
         for a, b in spans
@@ -98,9 +97,9 @@ def compiled_kernels(dump: str) -> tuple[dict, dict]:
     folder = pathlib.Path(dump)
     spills, loops = {}, {}
     for report in sorted(folder.glob("*.ptxas")):
-        spills |= ptxas_spills(report.read_text())
+        found = ptxas_spills(report.read_text())
+        spills |= found
         sass = machine_code(report.with_suffix(".ptx"))
         if sass is not None:
-            for kernel in ptxas_spills(report.read_text()):
-                loops[kernel] = product_loops(sass)
+            loops |= dict.fromkeys(found, product_loops(sass))
     return spills, loops
