@@ -10,7 +10,7 @@ back. One JSON line per measurement. With --jax_linear_attention, also that pack
 the same design; with --flash_attn3, FlashAttention-3's CUDA kernels for Hopper (optional extras:
 the project does not need them). With --spills, no timing: each kernel's register spills as
 ptxas reports them, and how many sit in its loops of matrix products (benchmarks/kernel_code.py),
-per head dim and --blocks setting.
+per head dim and --blocks setting, on a GPU or, with jax's CUDA plugin, on a machine without one.
 
     python3 -m benchmarks.flash_attention --shapes=8x2048,4x4096,2x8192 --head_dims=64,128
     python3 -m benchmarks.flash_attention --spills --head_dims=128 --blocks= --blocks=dkv_overlap=1
@@ -74,7 +74,9 @@ flags.DEFINE_bool(
     "and print each kernel's register spills as ptxas reports them (bytes a thread stores to "
     "and loads from local memory), and, where ptxas and nvdisasm are on PATH, each loop of "
     "matrix products' instructions, wgmma, local stores and loads: a compile each, no "
-    "timing, the first test of a change to a kernel's live values.",
+    "timing, the first test of a change to a kernel's live values. Without a GPU it compiles "
+    "for an H200 through jax's CUDA plugin. A kernel compiled for an earlier setting of the "
+    "same run is not compiled, nor listed, again.",
 )
 
 
@@ -261,13 +263,15 @@ def measure(b: int, t: int, d: int) -> None:
             emit({"variant": name, "error": error_text(e)})
 
 
-def report_spills(d: int, specs: list[str], heads: int, kv_heads: int) -> None:
+def report_spills(d: int, specs: list[str], heads: int, kv_heads: int, device=None) -> None:
     """One JSON line per tile setting (a --blocks spec) at head dim d: each kernel's spills, from
     compiling ours' causal forward + backward (Mosaic GPU compiles its kernels with the jit's
-    compile, and dumps them where MOSAIC_GPU_DUMP_TO says), with the loops of matrix products
-    where kernel_code can read them, or the error that stopped it."""
-    q = jax.ShapeDtypeStruct((1, 2048, heads, d), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, 2048, kv_heads, d), jnp.bfloat16)
+    compile, and dumps them where MOSAIC_GPU_DUMP_TO says) for `device` (None: the GPU jax runs
+    on), with the loops of matrix products where kernel_code can read them, or the error that
+    stopped it."""
+    sharding = jax.sharding.SingleDeviceSharding(device) if device else None
+    q = jax.ShapeDtypeStruct((1, 2048, heads, d), jnp.bfloat16, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((1, 2048, kv_heads, d), jnp.bfloat16, sharding=sharding)
     for spec in specs:
         row = {"head_dim": d, "variant": f"mosaic {spec or 'default'}"}
         try:
@@ -293,12 +297,17 @@ def report_spills(d: int, specs: list[str], heads: int, kv_heads: int) -> None:
 def main(argv):
     del argv
     if FLAGS.spills:
-        if jax.default_backend() != "gpu":
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # before jax starts
+        on_gpu = jax.default_backend() == "gpu"
+        device = None if on_gpu else kernel_code.h200_compile_device()
+        if not on_gpu and device is None:
             raise SystemExit(
-                "--spills: Mosaic GPU compiles its kernels on a GPU only; run it there"
+                "--spills: Mosaic GPU compiles its kernels for a GPU; run it on one, or install "
+                f'jax\'s CUDA plugin (pip install "jax-cuda13-plugin[with-cuda]=={jax.__version__}")'
+                " to compile for an H200 here"
             )
         for d in map(int, FLAGS.head_dims):
-            report_spills(d, FLAGS.blocks, FLAGS.heads, FLAGS.kv_heads)
+            report_spills(d, FLAGS.blocks, FLAGS.heads, FLAGS.kv_heads, device)
         return
     if FLAGS.jax_linear_attention:
         jax_linear_attention_kernel("ranged", 1.0)  # not installed: stop before any shape

@@ -5,6 +5,11 @@ Mosaic GPU writes each kernel's PTX and ptxas's report into the folder that MOSA
 names, when it compiles the kernel. `compiled_kernels` reads that folder. Where ptxas and
 nvdisasm are on PATH (CUDA's toolkit; nvdisasm also comes as the nvidia-cuda-nvdisasm wheel),
 it compiles the PTX again and reads the machine code's loops. Neither needs a GPU.
+
+Nor does the compile: with jax's CUDA plugin installed (`pip install "jax[cuda13]"`, the jax
+version the project runs), `h200_compile_device` gives a compile-only H200, and a jit lowered
+for it compiles Mosaic GPU's kernels as on the GPU (ptxas's report and the loops within a few
+spilled registers of what the GPU machine's jax gives).
 """
 
 from __future__ import annotations
@@ -24,6 +29,32 @@ PTX_TARGET = re.compile(r"^\.target\s+(\w+)", re.MULTILINE)
 SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", re.MULTILINE)
 SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):", re.MULTILINE)
 SASS_BRANCH = re.compile(r"\bBRA\s+`?\(?(\.L_x_\d+)")
+# An H200 as XLA's GPU compiler describes one (its TargetConfig): compute capability 9.0 for
+# Mosaic GPU and ptxas (sm_90a); the rest feeds XLA's cost model, which divides by some of it.
+H200_TARGET = """
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  shared_memory_per_block_optin: 232448
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 150000000000
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  cuda_compute_capability { major: 9 minor: 0 }
+}
+platform_name: "CUDA"
+device_description_str: "NVIDIA H200"
+"""
 
 
 def ptxas_spills(report: str) -> dict[str, list[int]]:
@@ -89,6 +120,22 @@ def machine_code(ptx: pathlib.Path) -> str | None:
             ["nvdisasm", "-ndf", "-c", str(cubin)], check=True, capture_output=True, text=True
         )
     return listing.stdout
+
+
+def h200_compile_device():
+    """A compile-only H200 from jax's CUDA plugin (no GPU needed), or None without the plugin.
+    On a machine without a GPU the plugin starts only if its start-up check of the CUDA
+    libraries against a driver is skipped (JAX_SKIP_CUDA_CONSTRAINTS_CHECK, read when jax first
+    starts its backends)."""
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=H200_TARGET, topology="1x1x1"
+        )
+    except (NotImplementedError, RuntimeError):  # no CUDA plugin
+        return None
+    return topology.devices[0]
 
 
 def compiled_kernels(dump: str) -> tuple[dict, dict]:

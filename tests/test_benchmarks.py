@@ -2,6 +2,7 @@
 and its command line (--dry_run runs nothing); and which tiles the flash attention bench times."""
 
 import dataclasses
+import importlib.util
 import json
 import os
 import pathlib
@@ -248,8 +249,11 @@ def test_the_loops_of_products_and_the_spills_inside_them():
 
 
 def test_spills_prints_each_settings_kernels_or_the_error_that_stopped_it(monkeypatch, capsys):
+    lowered_for = []
+
     class Compiled:  # stands in for the jit: its compile dumps ptxas's report, as on a GPU
         def lower(self, *shapes):
+            lowered_for.extend(shape.sharding for shape in shapes)
             return self
 
         def compile(self):
@@ -258,8 +262,10 @@ def test_spills_prints_each_settings_kernels_or_the_error_that_stopped_it(monkey
 
     monkeypatch.setattr(flash_attention, "_grad_fn", lambda attend: Compiled())
     monkeypatch.setattr(kernel_code, "machine_code", lambda ptx: SASS)
-    flash_attention.report_spills(128, ["", "stages=0"], heads=4, kv_heads=2)
+    device = jax.devices("cpu")[0]  # stands in for a compile-only GPU
+    flash_attention.report_spills(128, ["", "stages=0"], heads=4, kv_heads=2, device=device)
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lowered_for == [jax.sharding.SingleDeviceSharding(device)] * 4  # q, k, v, dO
     assert rows[0] == {
         "head_dim": 128,
         "variant": "mosaic default",
@@ -275,10 +281,30 @@ def test_spills_prints_each_settings_kernels_or_the_error_that_stopped_it(monkey
     assert len(rows) == 2
 
 
-def test_spills_without_a_gpu_is_a_one_line_exit():
+CUDA_PLUGIN = importlib.util.find_spec("jax_cuda13_plugin") is not None
+
+
+@pytest.mark.skipif(CUDA_PLUGIN, reason="jax's CUDA plugin is installed: --spills compiles")
+def test_spills_without_a_gpu_or_the_cuda_plugin_is_a_one_line_exit():
     cmd = [sys.executable, "-m", "benchmarks.flash_attention", "--spills"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert out.stderr.strip().splitlines()[-1] == (
-        "--spills: Mosaic GPU compiles its kernels on a GPU only; run it there"
+        "--spills: Mosaic GPU compiles its kernels for a GPU; run it on one, or install jax's "
+        f'CUDA plugin (pip install "jax-cuda13-plugin[with-cuda]=={jax.__version__}") to compile '
+        "for an H200 here"
     )
+
+
+@pytest.mark.skipif(not CUDA_PLUGIN, reason="needs jax's CUDA plugin (a compile-only H200)")
+def test_spills_compiles_the_kernels_for_a_compile_only_h200_without_a_gpu():
+    """ptxas's reports of the forward and of dK/dV with dQ at head dim 64 (both spill-free in
+    their loops of products on the GPU too), from a machine whose jax runs on its CPU."""
+    cmd = [sys.executable, "-m", "benchmarks.flash_attention", "--spills", "--head_dims=64"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.stdout.splitlines()]
+    assert row["spills"]["flash_attention_forward"] == [0, 0]
+    assert len(row["spills"]) == 2  # the forward, and dK/dV with dQ
+    for loops in row.get("product_loops", {}).values():  # with ptxas and nvdisasm on PATH
+        assert loops and all(wgmma > 0 and stl == ldl == 0 for _, wgmma, stl, ldl in loops)
