@@ -73,10 +73,10 @@ flags.DEFINE_bool(
     "Instead of timing, compile ours' forward + backward at each head dim and --blocks setting "
     "and print each kernel's register spills as ptxas reports them (bytes a thread stores to "
     "and loads from local memory), and, where ptxas and nvdisasm are on PATH, each loop of "
-    "matrix products' instructions, wgmma, local stores and loads: a compile each, no "
-    "timing, the first test of a change to a kernel's live values. Without a GPU it compiles "
-    "for an H200 through jax's CUDA plugin. A kernel compiled for an earlier setting of the "
-    "same run is not compiled, nor listed, again.",
+    "matrix products' instructions, wgmma, local stores and loads, and named barriers: a "
+    "compile each, no timing, the first test of a change to a kernel's live values. Without a "
+    "GPU it compiles for an H200 through jax's CUDA plugin. A kernel compiled for an earlier "
+    "setting of the same run is not compiled, nor listed, again.",
 )
 
 
@@ -287,7 +287,7 @@ def report_spills(d: int, specs: list[str], heads: int, kv_heads: int, device=No
                 finally:
                     del os.environ["MOSAIC_GPU_DUMP_TO"]
                 row["spills"], loops = kernel_code.compiled_kernels(dump)
-            if loops:  # [instructions, wgmma, local stores, local loads] a loop
+            if loops:  # [instructions, wgmma, local stores, local loads, barriers] a loop
                 row["product_loops"] = loops
         except Exception as e:  # a setting the kernels refuse must not end the sweep
             row["error"] = error_text(e)

@@ -70,8 +70,10 @@ def ptxas_spills(report: str) -> dict[str, list[int]]:
 
 
 def product_loops(sass: str) -> list[list[int]]:
-    """[instructions, wgmma, local stores, local loads] of each innermost loop of one kernel's
-    machine code that issues wgmma (HGMMA), in code order. A loop is a backward branch's span;
+    """[instructions, wgmma, local stores, local loads, named barriers] of each innermost loop
+    of one kernel's machine code that issues wgmma (HGMMA), in code order. The named barriers
+    (BAR) are those a warpgroup syncs on around its stores to shared memory and those the
+    warpgroups take turns by; mbarrier waits (SYNCS) and memory fences are not among them. A loop is a backward branch's span;
     the branches after the last EXIT are the out-of-line retries of barrier waits, which jump
     back into the code and are no loops."""
     events = sorted(
@@ -102,7 +104,7 @@ def product_loops(sass: str) -> list[list[int]]:
         return sum(1 for t in body if re.search(rf"\b{opcode}\b", t))
 
     return [
-        [b - a + 1] + [count(code[a : b + 1], op) for op in ("HGMMA", "STL", "LDL")]
+        [b - a + 1] + [count(code[a : b + 1], op) for op in ("HGMMA", "STL", "LDL", "BAR")]
         for a, b in sorted(innermost)
     ]
 

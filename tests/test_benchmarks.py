@@ -211,8 +211,8 @@ def test_the_spill_report_names_each_kernel_with_its_own_spills():
 
 
 # nvdisasm's listing, cut down: an outer loop (over heads) around two loops of products (masked
-# steps, then the rest); a barrier wait's retry after the last EXIT, which branches back into
-# the second loop and is no loop.
+# steps, then the rest, with a named barrier and a memory fence, which is none); a barrier
+# wait's retry after the last EXIT, which branches back into the second loop and is no loop.
 SASS = """\
 .text.flash_attention_dkv_mosaic_gpu_kernel:
         /*0000*/                   S2R R0, SR_TID.X ;
@@ -230,6 +230,8 @@ SASS = """\
 .L_x_4:
         /*0090*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;
         /*00a0*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24, gsb0 ;
+        /*00a8*/                   BAR.SYNC.DEFER_BLOCKING R19, 0x80 ;
+        /*00ac*/                   MEMBAR.ALL.CTA ;
         /*00b0*/              @P2 BRA `(.L_x_3) ;
         /*00c0*/              @P3 BRA `(.L_x_1) ;
         /*00d0*/                   LDL R6, [R1+0x18] ;
@@ -242,9 +244,10 @@ SASS = """\
 
 
 def test_the_loops_of_products_and_the_spills_inside_them():
-    """The innermost loops that issue wgmma, each with its local stores and loads; the outer
-    loop and the wait's retry, which branches back from past the EXIT, are not among them."""
-    assert kernel_code.product_loops(SASS) == [[5, 1, 1, 2], [5, 2, 0, 0]]
+    """The innermost loops that issue wgmma, each with its local stores and loads and its
+    named barriers; the outer loop and the wait's retry, which branches back from past the
+    EXIT, are not among them."""
+    assert kernel_code.product_loops(SASS) == [[5, 1, 1, 2, 0], [7, 2, 0, 0, 1]]
     assert kernel_code.product_loops("") == []
 
 
@@ -271,8 +274,8 @@ def test_spills_prints_each_settings_kernels_or_the_error_that_stopped_it(monkey
         "variant": "mosaic default",
         "spills": {"flash_attention_forward": [0, 0], "flash_attention_dkv": [120, 132]},
         "product_loops": {
-            "flash_attention_forward": [[5, 1, 1, 2], [5, 2, 0, 0]],
-            "flash_attention_dkv": [[5, 1, 1, 2], [5, 2, 0, 0]],
+            "flash_attention_forward": [[5, 1, 1, 2, 0], [7, 2, 0, 0, 1]],
+            "flash_attention_dkv": [[5, 1, 1, 2, 0], [7, 2, 0, 0, 1]],
         },
     }
     assert "MOSAIC_GPU_DUMP_TO" not in os.environ
@@ -307,4 +310,4 @@ def test_spills_compiles_the_kernels_for_a_compile_only_h200_without_a_gpu():
     assert row["spills"]["flash_attention_forward"] == [0, 0]
     assert len(row["spills"]) == 2  # the forward, and dK/dV with dQ
     for loops in row.get("product_loops", {}).values():  # with ptxas and nvdisasm on PATH
-        assert loops and all(wgmma > 0 and stl == ldl == 0 for _, wgmma, stl, ldl in loops)
+        assert loops and all(wgmma > 0 and stl == ldl == 0 for _, wgmma, stl, ldl, _ in loops)
