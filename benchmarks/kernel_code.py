@@ -6,10 +6,10 @@ names, when it compiles the kernel. `compiled_kernels` reads that folder. Where 
 nvdisasm are on PATH (CUDA's toolkit; nvdisasm also comes as the nvidia-cuda-nvdisasm wheel),
 it compiles the PTX again and reads the machine code's loops. Neither needs a GPU.
 
-Nor does the compile: with jax's CUDA plugin installed (`pip install "jax[cuda13]"`, the jax
-version the project runs), `h200_compile_device` gives a compile-only H200, and a jit lowered
-for it compiles Mosaic GPU's kernels as on the GPU (ptxas's report and the loops within a few
-spilled registers of what the GPU machine's jax gives).
+Nor does the compile: with jax's CUDA plugin installed (`pip install
+"jax-cuda13-plugin[with-cuda]==<jax's version>"`), `h200_compile_device` gives a compile-only
+H200, and a jit lowered for it compiles Mosaic GPU's kernels as on the GPU (ptxas's report and
+the loops within a few spilled registers of what the GPU machine's newer jax gives).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", re.MULTILIN
 SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):", re.MULTILINE)
 SASS_BRANCH = re.compile(r"\bBRA\s+`?\(?(\.L_x_\d+)")
 # An H200 as XLA's GPU compiler describes one (its TargetConfig): compute capability 9.0 for
-# Mosaic GPU and ptxas (sm_90a); the rest feeds XLA's cost model, which divides by some of it.
+# Mosaic GPU and ptxas (sm_90a); the rest XLA's own passes read (with only the limits and the
+# compute capability given, the compile stopped on a floating point exception).
 H200_TARGET = """
 gpu_device_info {
   threads_per_block_limit: 1024
@@ -73,9 +74,9 @@ def product_loops(sass: str) -> list[list[int]]:
     """[instructions, wgmma, local stores, local loads, named barriers] of each innermost loop
     of one kernel's machine code that issues wgmma (HGMMA), in code order. The named barriers
     (BAR) are those a warpgroup syncs on around its stores to shared memory and those the
-    warpgroups take turns by; mbarrier waits (SYNCS) and memory fences are not among them. A loop is a backward branch's span;
-    the branches after the last EXIT are the out-of-line retries of barrier waits, which jump
-    back into the code and are no loops."""
+    warpgroups take turns by; mbarrier waits (SYNCS) and memory fences are not among them. A
+    loop is a backward branch's span; the branches after the last EXIT are the out-of-line
+    retries of barrier waits, which jump back into the code and are no loops."""
     events = sorted(
         [(m.start(), "label", m.group(1)) for m in SASS_LABEL.finditer(sass)]
         + [(m.start(), "instruction", m.group(1)) for m in SASS_INSTRUCTION.finditer(sass)]
