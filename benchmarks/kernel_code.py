@@ -8,8 +8,9 @@ it compiles the PTX again and reads the machine code's loops. Neither needs a GP
 
 Nor does the compile: with jax's CUDA plugin installed (`pip install
 "jax-cuda13-plugin[with-cuda]==<jax's version>"`), `h200_compile_device` gives a compile-only
-H200, and a jit lowered for it compiles Mosaic GPU's kernels as on the GPU (ptxas's report and
-the loops within a few spilled registers of what the GPU machine's newer jax gives).
+H200, and a jit lowered for it compiles Mosaic GPU's kernels as on the GPU. With the GPU
+machine's jax (0.11.2, which wants Python 3.12) the PTX is the GPU machine's, instruction for
+instruction; an older jax's Mosaic GPU writes somewhat different code.
 """
 
 from __future__ import annotations
