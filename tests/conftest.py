@@ -7,6 +7,7 @@ instead."""
 import os
 import shutil
 import tempfile
+from importlib import metadata
 
 
 def gpu_run(config) -> bool:
@@ -22,12 +23,15 @@ def pytest_configure(config):
     # time (a test whose steps dominate compiles them at -O1 itself: test_fp8), and XLA's older
     # elemental IR emitters instead of its MLIR fusion emitters in a third to a quarter of that
     # (a tiny model's train step 10-12 s -> 3 s, its fp8 step 14-17 s -> 5 s; the steps run as
-    # fast). Eigen on one thread per op: two test processes, each with 8 fake devices, share 2
-    # cores. XLA_FLAGS already set come after these, and win.
+    # fast; jax 0.11's XLA has only the fusion emitters, and stops on the flag). Eigen on one
+    # thread per op: two test processes, each with 8 fake devices, share 2 cores. XLA_FLAGS
+    # already set come after these, and win.
+    jaxlib = tuple(int(part) for part in metadata.version("jaxlib").split(".")[:2])
+    elemental = ["--xla_cpu_use_fusion_emitters=false"] if jaxlib < (0, 11) else []
     os.environ["XLA_FLAGS"] = " ".join(
         [
             "--xla_backend_optimization_level=0",
-            "--xla_cpu_use_fusion_emitters=false",
+            *elemental,
             "--xla_cpu_multi_thread_eigen=false",
             os.environ.get("XLA_FLAGS", ""),
             "--xla_force_host_platform_device_count=8",
