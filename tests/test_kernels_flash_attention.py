@@ -109,6 +109,10 @@ def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
         (256, 64, True, 100, fa.FlashBlocks(dq_in_dkv=True, dkv_overlap=True)),
         (256, 128, False, None, fa.FlashBlocks(dkv_kv_in_registers=True)),
         (512, 64, False, None, fa.default_blocks(64, causal_len=fa.WIDE_KEY_TILES_FROM)),
+        (256, 128, True, 100, fa.FlashBlocks(dq_in_dkv=True)),
+        (256, 64, True, 100, fa.FlashBlocks(dq_in_dkv=True, per_warpgroup_code=True)),
+        (256, 128, True, 100, fa.default_blocks(128, deterministic=True)),
+        (256, 128, True, 100, None),
         (256, 64, True, 100, None),
         (200, 96, True, 100, None),
         (256, 80, False, None, None),
@@ -124,6 +128,10 @@ def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
         "bounded-dq-in-dkv-overlap-64",
         "kv-in-registers-128",
         "256-key-tiles-64",
+        "bounded-dq-in-dkv-by-halves-128",
+        "bounded-dq-in-dkv-per-warpgroup-code-64",
+        "bounded-deterministic-128",
+        "bounded-default-128",
         "bounded-default-64",
         "padded-bounded-96",
         "80",
@@ -354,16 +362,15 @@ def test_the_tiles_left_unmasked_are_those_seen_whole(window, documents, key_til
         assert list(range(int(start), int(end))) == want, ("queries", row0)
 
 
-@pytest.mark.parametrize("head_dim", [128, 256])
-def test_dq_in_dkv_is_refused_above_head_dim_64(head_dim):
-    q = jax.ShapeDtypeStruct((1, 256, 4, head_dim), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
+def test_dq_in_dkv_is_refused_above_head_dim_128():
+    q = jax.ShapeDtypeStruct((1, 256, 4, 256), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, 2, 256), jnp.bfloat16)
     blocks = fa.FlashBlocks(dq_in_dkv=True)
 
     def loss(q, k, v):
         return jnp.sum(fa.flash_attention(q, k, v, scale=1.0, blocks=blocks).astype(jnp.float32))
 
-    with pytest.raises(ValueError, match=f"dq_in_dkv takes head dim 64 only, not {head_dim}"):
+    with pytest.raises(ValueError, match="dq_in_dkv takes head dims 64 and 128 only, not 256"):
         export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(q, kv, kv)
 
 

@@ -1,6 +1,6 @@
 """The Mosaic GPU flash attention on the GPU: forward and backward against the float32 reference
 within twice cuDNN's own error at the same shape, causal, over packed documents and with a
-sliding window, at head dims 64, 128 and 256, by default (dQ added up in the dK/dV kernel at 64)
+sliding window, at head dims 64, 128 and 256, by default (dQ added up in the dK/dV kernel)
 and deterministic, and with the dK/dV kernel's other orders; the same results on each of
 several calls (a race between warpgroups shows as a call that differs; dQ added up in any
 order: each call's within the bound); and the same results through the model's per-device
@@ -47,6 +47,9 @@ def _outputs(attend, q, k, v, do):
         (96, None),
         (64, dataclasses.replace(fa.default_blocks(64, deterministic=True), block_kv=64)),
         (64, fa.default_blocks(64, causal_len=fa.WIDE_KEY_TILES_FROM)),
+        (128, fa.default_blocks(128, deterministic=True)),
+        (128, fa.FlashBlocks(dq_in_dkv=True, per_warpgroup_code=True)),
+        (64, dataclasses.replace(fa.default_blocks(64), per_warpgroup_code=True)),
         (256, None),
     ],
     ids=[
@@ -58,6 +61,9 @@ def _outputs(attend, q, k, v, do):
         "96-padded",
         "64-forward-64-key-tiles",
         "64-forward-256-key-tiles",
+        "128-deterministic",
+        "128-dq-in-dkv-in-order",
+        "64-per-warpgroup-code",
         "256",
     ],
 )

@@ -18,12 +18,15 @@ for O += P V with P straight from registers; a barrier shared by the two compute
 staggers them, so that one's softmax runs while the other's matmuls occupy the tensor cores. The
 backward recomputes P per tile from the forward's logsumexp: one kernel accumulates dK and dV
 per key tile over the query tiles that see it (all query heads of its GQA group, so K and V are
-never repeated in memory), another dQ per query tile. At head dim 64 the dK/dV kernel adds dQ up
-too (FlashBlocks.dq_in_dkv: five matmuls a tile, not seven), by fp32 reduce-adds whose order,
-and so whose rounding, varies from run to run; `deterministic` calls keep dQ's own kernel, which
-writes each tile once. At 64, deterministic or not, its compute warpgroups also hold their key
-and value tiles in registers (FlashBlocks.dkv_kv_in_registers), so that S^T's and dP^T's
-products read only the query rows and dO from shared memory.
+never repeated in memory), another dQ per query tile. By default the dK/dV kernel adds dQ up
+too (FlashBlocks.dq_in_dkv: five matmuls a tile, not seven; at head dim 128 each compute
+warpgroup forms half of dQ's columns), by fp32 reduce-adds whose order, and so whose rounding,
+varies from run to run; `deterministic` calls keep dQ's own kernel, which writes each tile once.
+At 64, deterministic or not, its compute warpgroups also hold their key and value tiles in
+registers (FlashBlocks.dkv_kv_in_registers), so that S^T's and dP^T's products read only the
+query rows and dO from shared memory; at 128 each compute warpgroup's code is compiled with its
+index known (FlashBlocks.per_warpgroup_code), which keeps the addresses of its tiles out of
+each thread's registers.
 
 Which keys a query sees is causal, and optionally bounded below by its document's start and its
 sliding window: the first key of row r is first_key[r] = max(document start, r - window + 1),

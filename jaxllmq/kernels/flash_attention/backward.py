@@ -12,13 +12,14 @@ from jax import lax
 
 from jaxllmq.kernels.flash_attention import backward_wide, common
 
-# The head dim dQ in dK/dV (FlashBlocks.dq_in_dkv) runs at: at 128 a row's fp32 partial of dQ
-# does not fit the registers and shared memory left; formed by column chunks on a warpgroup's
-# turn it was 1.2-1.3x slower than dQ's own kernel, and by column halves, both warpgroups
-# every step, 1.17-1.23x; with the adds issued by a warp of the memory warpgroup and 240
-# registers still 1.03-1.16x, spilling about 400 bytes a thread. Its reduce-adds alone (32 KiB
-# a step) take as long as dQ's kernel.
-DQ_IN_DKV_HEAD_DIM = 64
+# The head dims dQ in dK/dV (FlashBlocks.dq_in_dkv) runs at. At 64 the warpgroups take turns,
+# each forming a step's whole [64, 64] piece of dQ. At 128 (DQ_BY_HALVES_HEAD_DIM) a row's fp32
+# partial of dQ does not fit one warpgroup's registers beside its dK and dV, so both form a
+# piece every step, each half of dQ's columns; that spills only with each warpgroup's index
+# known at compile time (FlashBlocks.per_warpgroup_code): worked out per thread, 1.17-1.23x
+# slower than dQ's own kernel.
+DQ_IN_DKV_HEAD_DIMS = (64, 128)
+DQ_BY_HALVES_HEAD_DIM = 128
 # The largest head dim these kernels take, each compute warpgroup forming its own rows of dK and
 # dV (fp32 [64, D] each, in its 232 registers beside the step's scores) or of dQ; above it,
 # backward_wide's kernels, whose warpgroups split the work by role.
@@ -41,14 +42,16 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     dQ in dK/dV: each step both warpgroups put their dS^T in shared memory (a ring of
     ds_buffers) and arrive; the warpgroup whose turn it is (the step's parity) waits for both,
     multiplies the step's dS over both key tiles by K in one product and adds the fp32 result
-    into dQ / scale by TMA's reduce-add, while the other goes on. Both meet once at the end,
-    before dK and dV overwrite the key tiles."""
+    into dQ / scale by TMA's reduce-add, while the other goes on. At DQ_BY_HALVES_HEAD_DIM both
+    do so every step, each for half of dQ's columns. Both meet once at the end, before dK and
+    dV overwrite the key tiles."""
     fused = blocks.dq_in_dkv
     b_, t, hq, d = q.shape
-    if fused and d != DQ_IN_DKV_HEAD_DIM:
-        raise ValueError(
-            f"flash attention: dq_in_dkv takes head dim {DQ_IN_DKV_HEAD_DIM} only, not {d}"
-        )
+    if fused and d not in DQ_IN_DKV_HEAD_DIMS:
+        dims = " and ".join(map(str, DQ_IN_DKV_HEAD_DIMS))
+        raise ValueError(f"flash attention: dq_in_dkv takes head dims {dims} only, not {d}")
+    halves = d == DQ_BY_HALVES_HEAD_DIM  # both warpgroups form a piece every step
+    dq_cols = d // 2 if halves else d  # a piece's columns
     if d > MAX_NARROW_HEAD_DIM:
         return backward_wide.backward_dkv_wide(
             q, k, v, do, lse, delta, last_row, scale=scale, vis=vis, blocks=blocks
@@ -62,7 +65,10 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     # product of step i - 4 read it before either reached step i - 2's meeting), 3.4-4.5% faster
     # forward + backward than two buffers and a wait. An even count: each buffer's barrier is
     # waited by one warpgroup (a thread counts a barrier's phases by its own waits).
-    ds_buffers = 4
+    # By halves two, which shared memory has room for. Safe: a warpgroup writing step i's
+    # buffer formed step i - 2's piece itself, having waited at step i - 1's meeting, which the
+    # other reaches only once its step i - 2 product is done.
+    ds_buffers = 2 if halves else 4
     dtype = q.dtype
     c2 = scale * common.LOG2E
     tr = common.TILE_TRANSFORMS
@@ -74,7 +80,9 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
         dq_ref = rest.pop(0) if fused else None
         dk_ref, dv_ref, smem, ready, free, kv_ready, turns = rest
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, lr_smem, ds_smem, dq_smem = smem
-        k_own = k_smem.at[pl.ds(lax.axis_index("wg") * bk, bk)]  # a compute warpgroup's keys
+        # A compute warpgroup's keys where its index is traced (formed before the warpgroups'
+        # branch, where the timed kernels form it).
+        k_traced = k_smem.at[pl.ds(lax.axis_index("wg") * bk, bk)]
         rank, pair = common.section_order(lax.axis_index("ctas"), t // keys, b_ * hkv, section)
         b, kv_head = lax.div(pair, hkv), lax.rem(pair, hkv)
         first_key = rank * keys
@@ -82,9 +90,9 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
         lo, hi = common.query_tiles(lr_ref, b, first_key, keys, bq, t, vis)
         per_head = hi - lo
 
-        @pl.when(wg < 2)
-        def _compute():
+        def compute(wg):
             plgpu.set_max_registers(common.COMPUTE_REGISTERS, action="increase")
+            k_own = k_smem.at[pl.ds(wg * bk, bk)] if isinstance(wg, int) else k_traced
             key0 = first_key + wg * bk
             own = pl.ds(key0, bk)
             plgpu.copy_gmem_to_smem(k_ref.at[b, own, kv_head], k_own, kv_ready.at[wg])
@@ -110,23 +118,30 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(met.at[buf])
 
-            def add_dq(i, g, qb):
-                met, _ = turns
-                parity, buf = lax.rem(i, 2), lax.rem(i, ds_buffers)
+            # The columns of K (and of dQ) this warpgroup's pieces take.
+            dq_k = k_smem.at[:, pl.ds(wg * dq_cols, dq_cols)] if halves else k_smem
 
-                @pl.when(wg == parity)
+            def add_dq(i, g, qb):
+                """Step i's piece of dQ (its rows of query tile qb of the group's head g) over
+                both key tiles at once, once both dS^T are in, reduce-added in fp32: at 64 by
+                the warpgroup whose turn it is (the step's parity), by halves by both."""
+                met, _ = turns
+                buf = lax.rem(i, ds_buffers)
+
+                @pl.when(True if halves else wg == lax.rem(i, 2))
                 def _():
                     plgpu.barrier_wait(met.at[buf])
 
-                    def product(acc_ref):  # over both key tiles at once
-                        plgpu.wgmma(acc_ref, ds_smem.at[buf].transpose((1, 0)), k_smem)
+                    def product(acc_ref):
+                        plgpu.wgmma(acc_ref, ds_smem.at[buf].transpose((1, 0)), dq_k)
                         return acc_ref[...]
 
-                    part = pl.run_scoped(product, plgpu.ACC((bq, d), jnp.float32))
+                    part = pl.run_scoped(product, plgpu.ACC((bq, dq_cols), jnp.float32))
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add read it
                     dq_smem.at[wg][...] = part
                     plgpu.commit_smem()
-                    dst = dq_ref.at[b, pl.ds(qb * bq, bq), kv_head * group + g]
+                    cols = pl.ds(wg * dq_cols, dq_cols) if halves else slice(None)
+                    dst = dq_ref.at[b, pl.ds(qb * bq, bq), kv_head * group + g, cols]
                     plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op="add")
 
             def step(i, carry, g, qb, masked):
@@ -141,7 +156,14 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                 def probabilities(s_t):
                     lr = lr_smem.at[wg] if vis.bounded else None
                     return common.key_probabilities(
-                        s_t, lse_smem.at[slot], c2, key0, qb * bq, masked, lr
+                        s_t,
+                        lse_smem.at[slot],
+                        c2,
+                        key0,
+                        qb * bq,
+                        masked,
+                        lr,
+                        blocks.dkv_mask_offset_first,
                     )
 
                 def d_scores(p_t, dp_t):
@@ -162,8 +184,12 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                     p16 = p_t.astype(dtype)
 
                     def dv_dk(refs):
-                        plgpu.wgmma(refs[0], p16, do_smem.at[slot])
-                        ds16 = d_scores(p_t, dp_t)
+                        if blocks.dkv_ds_before_dv:
+                            ds16 = d_scores(p_t, dp_t)
+                            plgpu.wgmma(refs[0], p16, do_smem.at[slot])
+                        else:
+                            plgpu.wgmma(refs[0], p16, do_smem.at[slot])
+                            ds16 = d_scores(p_t, dp_t)
                         plgpu.wgmma(refs[1], ds16, q_smem.at[slot])
                         if fused:  # under dK's product
                             share_ds(i, ds16)
@@ -220,6 +246,8 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
             plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[b, own, kv_head])
             plgpu.wait_smem_to_gmem(0)
 
+        common.each_compute_warpgroup(compute, wg, blocks.per_warpgroup_code)
+
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(common.MEMORY_REGISTERS, action="decrease")
@@ -249,7 +277,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((2, bk), jnp.int32) if vis.bounded else None,
             plgpu.SMEM((ds_buffers, keys, bq), dtype, transforms=tr) if fused else None,
-            plgpu.SMEM((2, bq, d), jnp.float32, transforms=common.FP32_TRANSFORMS)
+            plgpu.SMEM((2, bq, dq_cols), jnp.float32, transforms=common.FP32_TRANSFORMS)
             if fused
             else None,
         ),
@@ -308,8 +336,7 @@ def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):
         hi = lax.div(first_row + rows + bk - 1, bk)
         lo = lax.div(fk_ref[b, first_row], bk) if vis.bounded else jnp.int32(0)
 
-        @pl.when(wg < 2)
-        def _compute():
+        def compute(wg):
             plgpu.set_max_registers(common.COMPUTE_REGISTERS, action="increase")
             row0 = first_row + wg * bq
             own = pl.ds(row0, bq)
@@ -359,6 +386,8 @@ def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[b, own, h])
             plgpu.wait_smem_to_gmem(0)
+
+        common.each_compute_warpgroup(compute, wg, blocks.per_warpgroup_code)
 
         @pl.when(wg == 2)
         def _memory():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 
@@ -66,8 +67,21 @@ class FlashBlocks:
     # 128-row steps, they spill). At 256 the warpgroups split by role and read them as before.
     dkv_kv_in_registers: bool = False
     # dQ added up by the dK/dV kernel (fp32, by TMA's reduce-add; not bit-identical from run to
-    # run) instead of dQ's own kernel recomputing S and dP. Head dim 64 only.
+    # run) instead of dQ's own kernel recomputing S and dP. Head dims 64 and 128.
     dq_in_dkv: bool = False
+    # Overlapped dK/dV steps: dS^T formed before dV's product is issued, so that P^T's fp32
+    # registers and dP^T's are free while that product holds P^T's bf16 ones.
+    dkv_ds_before_dv: bool = False
+    # dK/dV's masked steps: the causal test written as key index - (row0 - key0) <= row index,
+    # which ptxas keeps out of local memory where each warpgroup's code is its own (with
+    # per_warpgroup_code its masked loops at 128 load nothing from local memory, against 5-12
+    # loads a step).
+    dkv_mask_offset_first: bool = False
+    # Every kernel: each compute warpgroup's code compiled with its index known (twice over),
+    # so that its tiles' addresses and wgmma's descriptors of them sit in uniform registers
+    # instead of each thread's (at 128, dQ in dK/dV with overlapped steps spills 140 / 204
+    # bytes with it, against 416 / 592; forward + backward at 64 it was 0.6-2.3% slower).
+    per_warpgroup_code: bool = False
 
     def __post_init__(self):
         tiles = (self.block_q, self.block_kv, self.dkv_block_kv, self.dkv_block_q)
@@ -104,9 +118,12 @@ def default_blocks(head_dim: int, deterministic: bool = False, causal_len: int =
     overlapped 64-row steps, the register-held tiles and the four stages (3.4-4.3% faster than its
     128-row steps in order, themselves 5% faster than 64-row steps in order with dQ's steps of 64;
     four stages 2% faster than two at 8 x 2048, level at the longer shapes). At head dim 128,
-    128-row steps spill registers (1.3-1.4x slower), and dQ in the dK/dV kernel was 1.2-1.3x
-    slower; there dK/dV's CTAs run in one section (0.4-2% faster than sections of 32 MiB, which
-    are 1-3% faster at 64) and wait for a step's four loads one by one (1.5-2% faster than on one
+    128-row steps spill registers (1.3-1.4x slower); dQ is added up in the dK/dV kernel by
+    column halves in overlapped steps, dS^T formed before dV's product, each warpgroup's code
+    its own and the mask's offset first (level at 8 x 2048, 4.5-6% faster at 4 x 4096 and
+    2 x 8192 than dQ's own kernel; under `deterministic` dQ's own kernel, with the last two).
+    There dK/dV's CTAs run in one section (0.4-2% faster than sections of 32 MiB, which are
+    1-3% faster at 64) and wait for a step's four loads one by one (1.5-2% faster than on one
     barrier, which is 2.6-2.9% faster at 64). Three forward stages were no faster at 64, 192-key
     forward tiles 1.3-1.8x slower; neither, nor 256-key tiles, fits shared memory at 128."""
     kernel_d = kernel_head_dim(head_dim)
@@ -120,7 +137,15 @@ def default_blocks(head_dim: int, deterministic: bool = False, causal_len: int =
             dkv_stages=4,
         )
     if kernel_d == 128:
-        return FlashBlocks(dkv_section=0, dkv_one_ready=False)
+        return FlashBlocks(
+            dkv_section=0,
+            dkv_one_ready=False,
+            dq_in_dkv=not deterministic,
+            dkv_overlap=not deterministic,
+            dkv_ds_before_dv=not deterministic,
+            dkv_mask_offset_first=True,
+            per_warpgroup_code=True,
+        )
     # 256: 64-key forward tiles, which fit shared memory (227 KiB) beside the forward's resident
     # [64, 256] query rows (wgmma contracts over 64 elements at least, so tiles cannot shrink
     # below that); the backward's kernels split their warpgroups by role and hold one
@@ -140,6 +165,18 @@ class Visibility:
     @property
     def bounded(self) -> bool:
         return self.window is not None or self.documents
+
+
+def each_compute_warpgroup(compute, warpgroup, separate, count=2):
+    """Runs compute(w) on compute warpgroup w (0 <= w < count). separate: w a Python int, the
+    code compiled once per warpgroup, so that what depends on w (its tiles' shared-memory
+    addresses, wgmma's descriptors of them) is fixed at compile time and held in uniform
+    registers, where worked out from the thread index it takes each thread's registers."""
+    if not separate:
+        pl.when(warpgroup < count)(lambda: compute(warpgroup))
+        return
+    for w in range(count):
+        pl.when(warpgroup == w)(functools.partial(compute, w))
 
 
 # Shared-memory transforms of [rows, D] tiles (D >= 64 elements of 16 bits: 128-byte rows).
@@ -328,17 +365,20 @@ def stream_key_tiles(rings, b, kv_head, lo, hi, bk, stages, before=0, multicast=
                 plgpu.barrier_wait(free.at[lax.rem(before + kb - lo, stages)])
 
 
-def key_probabilities(s_t, lse_ref, c2, key0, row0, masked, last_row_ref):
+def key_probabilities(s_t, lse_ref, c2, key0, row0, masked, last_row_ref, offset_first=False):
     """P^T [keys, rows] fp32 of the scores S^T of keys key0.. and query rows row0.. (lse_ref:
     the rows' logsumexp); `masked`: zero where a row does not see a key, causally and (with
-    last_row_ref, the keys' last rows) past the key's last row."""
+    last_row_ref, the keys' last rows) past the key's last row. offset_first: the causal test
+    written as FlashBlocks.dkv_mask_offset_first says."""
     keys, rows = s_t.shape
     lse_c = lax.broadcast_in_dim(col(lse_ref), (keys, rows), [1])
     p_t = jnp.exp2(s_t * c2 - lse_c)
     if masked:
-        j = iota((keys, rows), 0) + key0
         r = iota((keys, rows), 1) + row0
-        ok = j <= r
+        if offset_first:
+            ok = iota((keys, rows), 0) - (row0 - key0) <= iota((keys, rows), 1)
+        else:
+            ok = iota((keys, rows), 0) + key0 <= r
         if last_row_ref is not None:
             last = lax.broadcast_in_dim(row(last_row_ref), (keys, rows), [0])
             ok = ok & (r <= last)

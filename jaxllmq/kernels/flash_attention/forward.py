@@ -40,10 +40,6 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
         wg = lax.axis_index("wg")
         mine = work.mine()
 
-        def row_buffer(n):
-            """The buffer of this warpgroup's rows of its n-th item."""
-            return 2 * lax.rem(n, 2) + wg if prefetch else wg
-
         def item_at(n):
             """(b, h, first row, last + 1 key tile) of this CTA's n-th item: the last rows,
             which see the most keys, first."""
@@ -70,9 +66,12 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
             plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(turn)
 
-        @pl.when(wg < 2)
-        def _compute():
+        def compute(wg):
             plgpu.set_max_registers(common.COMPUTE_REGISTERS, action="increase")
+
+            def row_buffer(n):
+                """The buffer of this warpgroup's rows of its n-th item."""
+                return 2 * lax.rem(n, 2) + wg if prefetch else wg
 
             def load_rows(n):
                 """The n-th item's query rows (and their first keys) into its buffer."""
@@ -199,6 +198,8 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common
             first = (jnp.int32(0), *first_keys_ahead(0, own_first_keys))
             lax.fori_loop(0, mine, item, first)
             plgpu.wait_smem_to_gmem(0)
+
+        common.each_compute_warpgroup(compute, wg, blocks.per_warpgroup_code)
 
         @pl.when(wg == 2)
         def _memory():
