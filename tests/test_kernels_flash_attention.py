@@ -111,8 +111,8 @@ def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
         (512, 64, False, None, fa.default_blocks(64, causal_len=fa.WIDE_KEY_TILES_FROM)),
         (256, 128, True, 100, fa.FlashBlocks(dq_in_dkv=True)),
         (256, 64, True, 100, fa.FlashBlocks(dq_in_dkv=True, per_warpgroup_code=True)),
-        (256, 128, True, 100, fa.default_blocks(128, deterministic=True)),
-        (256, 128, True, 100, None),
+        (256, 128, False, None, fa.default_blocks(128, deterministic=True, causal_len=256)),
+        (256, 128, False, None, None),
         (256, 64, True, 100, None),
         (200, 96, True, 100, None),
         (256, 80, False, None, None),
@@ -130,8 +130,8 @@ def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
         "256-key-tiles-64",
         "bounded-dq-in-dkv-by-halves-128",
         "bounded-dq-in-dkv-per-warpgroup-code-64",
-        "bounded-deterministic-128",
-        "bounded-default-128",
+        "deterministic-128",
+        "causal-default-128",
         "bounded-default-64",
         "padded-bounded-96",
         "80",
@@ -162,7 +162,9 @@ def test_forward_and_backward_lower_to_mosaic_gpu(t, d, documents, window, block
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     module = export.export(grads, platforms=["cuda"])(q, kv, kv, seg).mlir_module()
     # The forward and the backward's kernels (dK/dV, and dQ unless dK/dV adds it up).
-    kernels = 2 if (blocks or fa.default_blocks(d)).dq_in_dkv else 3
+    plain_causal_len = t if not documents and window is None else 0
+    taken = blocks or fa.default_blocks(d, causal_len=plain_causal_len)
+    kernels = 2 if taken.dq_in_dkv else 3
     assert len(re.findall(r"custom_call @mosaic_gpu", module)) == kernels
     assert f"x{fa.kernel_head_dim(d)}xbf16" in module
     # Named for profiles (jax 0.10 names a kernel that writes a Ref in place after its wrapper).
@@ -404,7 +406,8 @@ def test_the_forward_takes_256_key_tiles_for_long_plain_causal_attention_at_head
     fa.flash_attention(q, kv, kv, scale=1.0, segment_ids_BxT=seg, window=window)
     [blocks] = taken
     assert blocks.block_kv == key_tile
-    assert dataclasses.replace(blocks, block_kv=128) == fa.default_blocks(head_dim)
+    plain_causal = not documents and window is None
+    assert blocks == fa.default_blocks(head_dim, causal_len=t if plain_causal else 0)
 
 
 @pytest.mark.parametrize(

@@ -47,7 +47,8 @@ def _outputs(attend, q, k, v, do):
         (96, None),
         (64, dataclasses.replace(fa.default_blocks(64, deterministic=True), block_kv=64)),
         (64, fa.default_blocks(64, causal_len=fa.WIDE_KEY_TILES_FROM)),
-        (128, fa.default_blocks(128, deterministic=True)),
+        (128, fa.default_blocks(128, deterministic=True, causal_len=T)),
+        (128, fa.default_blocks(128, causal_len=T)),
         (128, fa.FlashBlocks(dq_in_dkv=True, per_warpgroup_code=True)),
         (64, dataclasses.replace(fa.default_blocks(64), per_warpgroup_code=True)),
         (256, None),
@@ -62,6 +63,7 @@ def _outputs(attend, q, k, v, do):
         "64-forward-64-key-tiles",
         "64-forward-256-key-tiles",
         "128-deterministic",
+        "128-causal-tiles",
         "128-dq-in-dkv-in-order",
         "64-per-warpgroup-code",
         "256",
@@ -112,7 +114,10 @@ def test_matches_the_reference_as_closely_as_cudnn(head_dim, blocks, visibility)
     check(got)
     # dQ added up in the dK/dV kernel lands in whatever order the CTAs reach it: every call's
     # within the bound, the rest bit for bit the first call's.
-    adds_in_any_order = (blocks or fa.default_blocks(head_dim)).dq_in_dkv
+    plain_causal_len = T if visibility == "causal" else 0
+    adds_in_any_order = (
+        blocks or fa.default_blocks(head_dim, causal_len=plain_causal_len)
+    ).dq_in_dkv
     for _ in range(5):
         call = ours(q, k, v, do)
         for name, g, a in zip(names, got, call, strict=True):
