@@ -13,11 +13,11 @@ from jax import lax
 from jaxllmq.kernels.flash_attention import backward_wide, common
 
 # The head dims dQ in dK/dV (FlashBlocks.dq_in_dkv) runs at. At 64 the warpgroups take turns,
-# each forming a step's whole [64, 64] piece of dQ. At 128 (DQ_BY_HALVES_HEAD_DIM) a row's fp32
-# partial of dQ does not fit one warpgroup's registers beside its dK and dV, so both form a
-# piece every step, each half of dQ's columns; that spills only with each warpgroup's index
-# known at compile time (FlashBlocks.per_warpgroup_code): worked out per thread, 1.17-1.23x
-# slower than dQ's own kernel.
+# each forming a step's whole piece of dQ. At 128 (DQ_BY_HALVES_HEAD_DIM) a row's fp32 partial
+# of dQ does not fit one warpgroup's registers beside its dK and dV, so both form a piece every
+# step, each half of dQ's columns. That beats dQ's own kernel only in overlapped steps with
+# each warpgroup's index known at compile time (FlashBlocks.per_warpgroup_code); with the index
+# worked out per thread it spilled hundreds of bytes and was 1.03-1.23x slower.
 DQ_IN_DKV_HEAD_DIMS = (64, 128)
 DQ_BY_HALVES_HEAD_DIM = 128
 # The largest head dim these kernels take, each compute warpgroup forming its own rows of dK and

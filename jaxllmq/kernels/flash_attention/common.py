@@ -123,10 +123,11 @@ def default_blocks(head_dim: int, deterministic: bool = False, causal_len: int =
     each warpgroup's code its own and the mask's offset first (level at 8 x 2048, 3-6% faster
     at 4 x 4096 and 2 x 8192 than dQ's own kernel; under `deterministic` dQ's own kernel, with
     the last two, 0.3-1% faster). Over documents or within a window that backward was 1.09-1.17x
-    and 1.05x slower, so they keep the two kernels as they were. There dK/dV's CTAs run in one section (0.4-2% faster than sections of 32 MiB, which are
-    1-3% faster at 64) and wait for a step's four loads one by one (1.5-2% faster than on one
-    barrier, which is 2.6-2.9% faster at 64). Three forward stages were no faster at 64, 192-key
-    forward tiles 1.3-1.8x slower; neither, nor 256-key tiles, fits shared memory at 128."""
+    and 1.05x slower, so they keep the two kernels as they were. There dK/dV's CTAs run in one
+    section (0.4-2% faster than sections of 32 MiB, which are 1-3% faster at 64) and wait for a
+    step's four loads one by one (1.5-2% faster than on one barrier, which is 2.6-2.9% faster at
+    64). Three forward stages were no faster at 64, 192-key forward tiles 1.3-1.8x slower;
+    neither, nor 256-key tiles, fits shared memory at 128."""
     kernel_d = kernel_head_dim(head_dim)
     if kernel_d == 64:
         return FlashBlocks(
