@@ -50,12 +50,12 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     if fused and d not in DQ_IN_DKV_HEAD_DIMS:
         dims = " and ".join(map(str, DQ_IN_DKV_HEAD_DIMS))
         raise ValueError(f"flash attention: dq_in_dkv takes head dims {dims} only, not {d}")
-    halves = d == DQ_BY_HALVES_HEAD_DIM  # both warpgroups form a piece every step
-    dq_cols = d // 2 if halves else d  # a piece's columns
     if d > MAX_NARROW_HEAD_DIM:
         return backward_wide.backward_dkv_wide(
             q, k, v, do, lse, delta, last_row, scale=scale, vis=vis, blocks=blocks
         )
+    halves = d == DQ_BY_HALVES_HEAD_DIM  # both warpgroups form a piece every step
+    dq_cols = d // 2 if halves else d  # a piece's columns
     hkv = k.shape[2]
     group = hq // hkv
     bq, bk, stages = blocks.dkv_block_q, blocks.dkv_block_kv, blocks.dkv_stages
@@ -80,8 +80,8 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
         dq_ref = rest.pop(0) if fused else None
         dk_ref, dv_ref, smem, ready, free, kv_ready, turns = rest
         k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, lr_smem, ds_smem, dq_smem = smem
-        # A compute warpgroup's keys where its index is traced (formed before the warpgroups'
-        # branch, where the timed kernels form it).
+        # A compute warpgroup's keys where its index is traced, formed before the warpgroups'
+        # branch: formed inside it, dK/dV's loops at 64 take 1-3 more instructions a step.
         k_traced = k_smem.at[pl.ds(lax.axis_index("wg") * bk, bk)]
         rank, pair = common.section_order(lax.axis_index("ctas"), t // keys, b_ * hkv, section)
         b, kv_head = lax.div(pair, hkv), lax.rem(pair, hkv)

@@ -171,15 +171,15 @@ class Visibility:
         return self.window is not None or self.documents
 
 
-def each_compute_warpgroup(compute, warpgroup, separate, count=2):
-    """Runs compute(w) on compute warpgroup w (0 <= w < count). separate: w a Python int, the
+def each_compute_warpgroup(compute, warpgroup, separate):
+    """Runs compute(w) on compute warpgroup w (0 or 1). separate: w a Python int, the
     code compiled once per warpgroup, so that what depends on w (its tiles' shared-memory
     addresses, wgmma's descriptors of them) is fixed at compile time and held in uniform
     registers, where worked out from the thread index it takes each thread's registers."""
     if not separate:
-        pl.when(warpgroup < count)(lambda: compute(warpgroup))
+        pl.when(warpgroup < 2)(lambda: compute(warpgroup))
         return
-    for w in range(count):
+    for w in range(2):
         pl.when(warpgroup == w)(functools.partial(compute, w))
 
 
