@@ -2,7 +2,7 @@
 
 The kernels take head dims 64, 128 and 256; a smaller head dim runs at the next of them, its
 inputs padded with zero columns (which change no score, output or gradient; at 96, causal, the
-padded kernels take 1.06-1.08x cuDNN's time at 96). At 256 dK's and dV's fp32 rows do not fit
+padded kernels take 1.00-1.05x cuDNN's time at 96). At 256 dK's and dV's fp32 rows do not fit
 a warpgroup's registers together, so the backward's kernels split the warpgroups by role
 (backward_wide.py), and causal forward + backward takes 0.88x cuDNN's time at 8 x 2048 and 0.97x
 at 2 x 8192 on an H200.

@@ -22,8 +22,8 @@ COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 NO_MAX = -1e30
 HEAD_DIMS = (64, 128, 256)
 # Where causal forward + backward runs faster than cuDNN's on an H200, 8 x 2048 to 2 x 8192:
-# 1.18-1.28x at head dim 64 and 1.03-1.14x at 256 (at 128 0.97-1.06x, slower at the longest,
-# and level in the 3B's and Qwen3 1.7B's steps).
+# 1.18-1.28x at head dim 64 and 1.03-1.14x at 256. At 128 (1.02-1.08x) the 3B's and Qwen3
+# 1.7B's steps gain 0.2-0.6% for 0.6-2.4 GiB more peak memory and a longer compile.
 CAUSAL_FASTER_HEAD_DIMS = (64, 256)
 # A sliding window of at most this many keys on every layer runs faster than cuDNN's windowed
 # attention (8 x 2048 to 2 x 8192): at head dim 64 1.20-1.38x (windows of 512 to 4096), at 128
