@@ -14,6 +14,7 @@ import functools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -185,9 +186,11 @@ def test_fp8_stays_within_a_loss_band_of_bf16():
     assert plan.kernels["fp8_quantize"] == "pallas"  # auto on a GPU: the fused quantize pass
 
 
-def _lowered_step(**spec_kw):
-    """The tiny preset's train step, lowered as a run builds it, and its plan."""
+def _lowered_step(head_dim=None, **spec_kw):
+    """The tiny preset's train step (at `head_dim`, None: its own), lowered as a run builds it,
+    and its plan."""
     cfg = load_model_config("tiny")
+    cfg = dataclasses.replace(cfg, head_dim=head_dim) if head_dim else cfg
     spec = ModelSpec(model="tiny", from_scratch=True, **{"matmul_dtype": "bfloat16", **spec_kw})
     mesh = make_mesh(1)
     plan = plan_for(cfg, spec, mesh)
@@ -216,6 +219,25 @@ def test_fp8_block_linears_run_as_fp8_gemms():
     assert plan.kernels["fp8_quantize"] == "pallas" and TRITON in lowered.as_text()
     # ... feeding cuBLASLt's fp8 GEMMs.
     assert CUBLAS_FP8 in lowered.compile().as_text()
+
+
+@pytest.mark.skipif(not is_hopper(), reason="our flash attention runs on Hopper GPUs only")
+def test_each_layer_zeroes_its_own_dq_sums():
+    """dQ added up in our flash attention's dK/dV kernel (head dim 128) goes into an fp32 buffer
+    zeroed first. XLA made every layer's zeros in one fusion while they depended on nothing,
+    which allocates them all at once (2.35 GiB more peak memory in the 3B's step at 2 x 8192):
+    no instruction of the compiled step may make two of them."""
+    lowered, plan = _lowered_step(head_dim=128, attention="mosaic", scan_layers=False)
+    cfg = load_model_config("tiny")
+    sums = f"f32[2,128,{cfg.num_attention_heads},128]"  # [rows, T, heads, head dim]
+    text = lowered.compile().as_text()
+    assert plan.attention == "mosaic" and text.count(sums) > cfg.num_hidden_layers
+    made_together = [
+        line
+        for line in text.splitlines()
+        if (kind := re.match(r"\s*(?:ROOT )?%\S+ = (\(.*?\)) ", line)) and kind[1].count(sums) > 1
+    ]
+    assert not made_together, made_together[0][:300]
 
 
 # MFU against the spec-sheet bf16 peak: the 1B's step with these settings (fp32 master and

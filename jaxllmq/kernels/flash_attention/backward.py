@@ -32,6 +32,16 @@ def row_delta(o, do):
     return jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
 
 
+def zeros_after(x, shape):
+    """fp32 zeros of `shape` that XLA can make only once `x` exists. Zeros that depend on
+    nothing it merges across an unrolled model's layers into one fusion, which allocates every
+    layer's buffer at once: for dQ's sums in the Llama 3.2 3B step at 2 x 8192, 2.35 GiB more
+    peak memory than with cuDNN's attention. The test below is false for every value of x,
+    NaN and infinities included, and XLA cannot fold it away."""
+    never = x.ravel()[0] > jnp.inf
+    return jnp.broadcast_to(jnp.where(never, 1.0, 0.0).astype(jnp.float32), shape)
+
+
 def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     """(dK, dV) [B, T, Hkv, D], and with blocks.dq_in_dkv dQ [B, T, Hq, D] too: a CTA per
     2 x dkv_block_kv keys of a key head, over the query tiles of every query head of its group
@@ -299,7 +309,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     args = (q, k, v, do, lse, delta) + ((last_row,) if vis.bounded else ())
     if not fused:
         return call(*args)
-    dq_sum = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+    dq_sum = jax.new_ref(zeros_after(delta, q.shape))
     dk, dv = call(*args, dq_sum)
     return dk, dv, (dq_sum[...] * scale).astype(dtype)
 
