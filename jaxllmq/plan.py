@@ -165,21 +165,21 @@ def _mosaic_attention_refusal(model_cfg, dtype, platform, hopper) -> str | None:
 
 def _mosaic_attention_faster(model_cfg, devices: int, documents: bool) -> bool:
     """Whether jaxllmq's flash attention, where it can run, was measured faster than cuDNN's for
-    this model's attention: on one GPU, over packed documents at every head dim it takes, causal
-    at the head dims where it was, and with short sliding windows on every layer at the head dims
-    it runs unpadded (on several GPUs it runs per device, not yet timed there)."""
-    from jaxllmq.kernels import flash_attention  # Mosaic GPU's Pallas: where it can run only
+    this model's attention: on one GPU (on several it runs per device, not yet timed there),
+    over packed documents at every head dim it takes, and where every layer's attention is:
+    causal at CAUSAL_FASTER_HEAD_DIMS, within a window of at most FASTER_WINDOW_MAX keys at the
+    head dims it runs unpadded, within any window at ANY_WINDOW_FASTER_HEAD_DIMS."""
+    from jaxllmq.kernels import flash_attention as fa  # Mosaic GPU's Pallas: where it can run
 
-    if devices != 1:
-        return False
-    windows = model_cfg.layer_windows()
-    short_windows = all(w is not None and w <= flash_attention.FASTER_WINDOW_MAX for w in windows)
     head_dim = model_cfg.head_dim
-    return (
-        documents
-        or head_dim in flash_attention.CAUSAL_FASTER_HEAD_DIMS
-        or (short_windows and head_dim in flash_attention.HEAD_DIMS)
-    )
+
+    def faster(window: int | None) -> bool:
+        if window is None:
+            return head_dim in fa.CAUSAL_FASTER_HEAD_DIMS
+        short = window <= fa.FASTER_WINDOW_MAX and head_dim in fa.HEAD_DIMS
+        return short or head_dim in fa.ANY_WINDOW_FASTER_HEAD_DIMS
+
+    return devices == 1 and (documents or all(map(faster, model_cfg.layer_windows())))
 
 
 def make_plan(

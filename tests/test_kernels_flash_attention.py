@@ -295,7 +295,7 @@ def test_the_plan_runs_mosaic_attention_on_one_hopper_gpu():
     [
         ("llama-3.2-1b", H200, 1, 32, False, "mosaic"),  # documents on one Hopper GPU: ours
         ("llama-3.2-1b", H200, 1, None, False, "mosaic"),  # causal at head dim 64: ours
-        ("qwen3-1.7b", H200, 1, None, False, "cudnn"),  # causal at head dim 128: cuDNN's
+        ("qwen3-1.7b", H200, 1, None, False, "mosaic"),  # causal at head dim 128: ours too
         ("qwen3-1.7b", H200, 1, 32, False, "mosaic"),
         ("llama-3.2-1b", H200, 2, 32, False, "cudnn"),  # ours measured on one GPU only
         ("llama-3.2-1b", H200, 2, None, False, "cudnn"),

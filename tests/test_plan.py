@@ -75,17 +75,21 @@ def test_attention_is_xla_when_deterministic_on_cpu_and_in_fp32():
     assert _plan(spec=dataclasses.replace(BF16, attention="cudnn")).attention == "cudnn"
 
 
-def test_auto_picks_ours_for_short_sliding_windows_at_the_head_dims_it_runs_unpadded():
-    at_128 = dataclasses.replace(TINY, head_dim=128)
+def test_auto_picks_ours_where_every_layer_s_attention_was_measured_faster():
+    at = lambda head_dim: dataclasses.replace(TINY, head_dim=head_dim)
     window = lambda cfg, w, **kw: dataclasses.replace(cfg, sliding_window=w, **kw)
-    assert _plan(at_128).attention == "cudnn"  # causal at 128: level with cuDNN's
-    assert _plan(window(at_128, 1024)).attention == "mosaic"
-    assert _plan(window(at_128, 2048)).attention == "cudnn"
+    assert _plan(at(128)).attention == "mosaic"  # causal
+    assert _plan(at(96)).attention == "cudnn"  # runs padded to 128: 0.95-1.00x cuDNN's speed
+    assert _plan(window(at(128), 1024)).attention == "mosaic"
+    assert _plan(window(at(128), 2048)).attention == "cudnn"  # level with cuDNN's
+    assert _plan(window(at(64), 4096)).attention == "mosaic"  # at 64 windows of any length
+    assert _plan(window(at(256), 2048)).attention == "cudnn"  # not measured there
     assert _plan(window(TINY, 512)).attention == "cudnn"  # head dim 32 runs padded to 64
-    # One layer with no window attends causally, where cuDNN's is level: the model keeps cuDNN's.
-    mixed = window(at_128, 512, layer_types=(SLIDING, FULL))
-    assert _plan(mixed, scan_layers=False).attention == "cudnn"
-    assert _plan(window(at_128, 512), mesh=_mesh(fsdp=2)).attention == "cudnn"  # timed on one
+    # Each layer counts: causal layers beside windows of 512, or of 2048.
+    mixed = lambda w: window(at(128), w, layer_types=(SLIDING, FULL))
+    assert _plan(mixed(512), scan_layers=False).attention == "mosaic"
+    assert _plan(mixed(2048), scan_layers=False).attention == "cudnn"
+    assert _plan(window(at(128), 512), mesh=_mesh(fsdp=2)).attention == "cudnn"  # timed on one
 
 
 def test_cpu_runs_xla_everywhere_with_auto():

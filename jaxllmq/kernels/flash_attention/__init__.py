@@ -53,6 +53,7 @@ from jax import lax
 
 from jaxllmq.kernels.flash_attention import backward, forward
 from jaxllmq.kernels.flash_attention.common import (
+    ANY_WINDOW_FASTER_HEAD_DIMS,
     CAUSAL_FASTER_HEAD_DIMS,
     FASTER_WINDOW_MAX,
     HEAD_DIMS,
@@ -64,6 +65,7 @@ from jaxllmq.kernels.flash_attention.common import (
 )
 
 __all__ = [
+    "ANY_WINDOW_FASTER_HEAD_DIMS",
     "CAUSAL_FASTER_HEAD_DIMS",
     "FASTER_WINDOW_MAX",
     "HEAD_DIMS",

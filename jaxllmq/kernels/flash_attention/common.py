@@ -22,13 +22,15 @@ COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 NO_MAX = -1e30
 HEAD_DIMS = (64, 128, 256)
 # Where causal forward + backward runs faster than cuDNN's on an H200, 8 x 2048 to 2 x 8192:
-# 1.18-1.28x at head dim 64 and 1.03-1.14x at 256. At 128 (1.02-1.08x) the 3B's and Qwen3
-# 1.7B's steps gain 0.2-0.6% for 0.6-2.4 GiB more peak memory and a longer compile.
-CAUSAL_FASTER_HEAD_DIMS = (64, 256)
+# 1.18-1.28x at head dim 64, 1.02-1.08x at 128 (the 3B's and Qwen3 1.7B's steps 0.2-0.6%
+# faster, 2 x 8192 to 8 x 2048) and 1.03-1.14x at 256.
+CAUSAL_FASTER_HEAD_DIMS = (64, 128, 256)
 # A sliding window of at most this many keys on every layer runs faster than cuDNN's windowed
-# attention (8 x 2048 to 2 x 8192): at head dim 64 1.20-1.38x (windows of 512 to 4096), at 128
-# 1.04-1.19x for windows of 512 and 1024, level at 2048 (0.99-1.02x), 0.96x at 4096 over 8192.
+# attention (8 x 2048 to 2 x 8192): at 128 1.04-1.19x for windows of 512 and 1024, level at 2048
+# (0.99-1.02x), 0.96x at 4096 over 8192. At the ANY_WINDOW_FASTER_HEAD_DIMS any window: at 64
+# 1.20-1.38x for windows of 512 to 4096.
 FASTER_WINDOW_MAX = 1024
+ANY_WINDOW_FASTER_HEAD_DIMS = (64,)
 # From this sequence length on, causal attention at head dim 64 (no documents, no window) runs
 # its forward over 256-key tiles, half the steps of 128-key ones: on an H200 the forward took
 # 8% less time at 2 x 8192 (three calls), up to 4% less at 4 x 4096 (one call 0.6% more) and
