@@ -311,3 +311,37 @@ def test_spills_compiles_the_kernels_for_a_compile_only_h200_without_a_gpu():
     assert len(row["spills"]) == 2  # the forward, and dK/dV with dQ
     for loops in row.get("product_loops", {}).values():  # with ptxas and nvdisasm on PATH
         assert loops and all(wgmma > 0 and stl == ldl == 0 for _, wgmma, stl, ldl, _ in loops)
+
+
+@pytest.mark.skipif(CUDA_PLUGIN, reason="jax's CUDA plugin is installed: step_memory compiles")
+def test_step_memory_without_the_cuda_plugin_is_a_one_line_exit():
+    cmd = [sys.executable, "-m", "benchmarks.step_memory", "--model=tiny"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        "step_memory: the step is compiled for a compile-only H200; install jax's CUDA plugin "
+        f'(pip install "jax-cuda13-plugin[with-cuda]=={jax.__version__}")'
+    )
+
+
+def test_pallas_kernels_lower_for_a_gpu_from_a_cpu_only_where_asked():
+    from jaxllmq.kernels import _pallas
+
+    assert _pallas.default_interpret()  # these tests' jax runs on the CPU
+    with _pallas.lowering_for_gpu():
+        assert not _pallas.default_interpret()
+    assert _pallas.default_interpret()
+
+
+@pytest.mark.skipif(not CUDA_PLUGIN, reason="needs jax's CUDA plugin (a compile-only H200)")
+def test_step_memory_reads_the_step_s_peak_without_a_gpu():
+    """The tiny preset's step: its state and batch (arguments), its temporaries, and a peak of at
+    least their sum, under the plan for one H200."""
+    cmd = [sys.executable, "-m", "benchmarks.step_memory", "--model=tiny"]
+    cmd += ["--batch_size=2", "--seq_len=128"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.stdout.splitlines()]
+    assert row["attention"] == "cudnn"  # head dim 32: cuDNN's on one H200
+    assert row["arguments_gib"] > 0 and row["temporaries_gib"] > 0
+    assert row["peak_gib"] >= row["arguments_gib"] + row["temporaries_gib"]

@@ -8,7 +8,9 @@ Block shapes in the Triton lowering must be powers of two, so ragged edges (hidd
 vocabulary) are handled with masked loads and stores rather than BlockSpecs.
 """
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -26,9 +28,24 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_LOWERING_FOR_GPU = contextvars.ContextVar("lowering_for_gpu", default=False)
+
+
 def default_interpret() -> bool:
-    """Interpret Pallas kernels where no GPU lowering exists (the CPU test machines)."""
-    return jax.default_backend() == "cpu"
+    """Interpret Pallas kernels where no GPU lowering exists (the CPU test machines), except
+    under `lowering_for_gpu`."""
+    return jax.default_backend() == "cpu" and not _LOWERING_FOR_GPU.get()
+
+
+@contextlib.contextmanager
+def lowering_for_gpu() -> Iterator[None]:
+    """Lower the kernels for a GPU though jax runs on the CPU: for a compile-only GPU (jax's
+    CUDA plugin on a machine without one)."""
+    token = _LOWERING_FOR_GPU.set(True)
+    try:
+        yield
+    finally:
+        _LOWERING_FOR_GPU.reset(token)
 
 
 def call(

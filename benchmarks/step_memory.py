@@ -1,0 +1,84 @@
+"""The train step's memory on one H200, read on a machine without a GPU.
+
+The step is built as the bench builds it (the same flags), from shapes only: no parameter is
+made. It is compiled for a compile-only H200 (jax's CUDA plugin, as `benchmarks.flash_attention
+--spills` does), and XLA's memory analysis of it gives the bytes of the state and batch it
+takes, of the temporaries it needs, and their sum: the peak the GPU reaches (the bench's
+`peak_memory_gib_per_device`; 65.41 GiB both ways for Llama 3.2 3B at 2 x 8192, unrolled,
+before its attention's zero buffers were made layer by layer). One JSON line.
+
+    python3 -m benchmarks.step_memory --model=llama-3.2-3b --batch_size=2 --seq_len=8192 \\
+        --noscan_layers --model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+from absl import app
+
+from benchmarks import kernel_code
+from jaxllmq import bench, train_step
+from jaxllmq.cli import bench as cli_bench
+from jaxllmq.cli.flags import parse_argv
+from jaxllmq.kernels import _pallas
+from jaxllmq.parallel.mesh import MESH_AXES
+from jaxllmq.plan import plan_for
+
+GIB = 2**30
+
+
+def step_memory(model_cfg, spec, optim, data, zero_level: int, device) -> dict:
+    """The step's memory analysis in GiB, compiled for `device` (a mesh of it alone)."""
+    mesh = jax.sharding.Mesh(np.array([device]).reshape((1,) * len(MESH_AXES)), MESH_AXES)
+    plan = plan_for(
+        model_cfg, spec, mesh, zero_level=zero_level, documents_per_window=data.documents_per_window
+    )
+    built = {}
+
+    def state():
+        built["step"] = train_step.build(
+            model_cfg, spec, optim, plan, mesh=mesh, total_steps=10_000, seed=0
+        )
+        return built["step"].state
+
+    shapes = jax.eval_shape(state)
+    batch = bench.synthetic_batch(model_cfg, data.grad_accumulation, data.batch_size, data.seq_len)
+    if data.document_masking:
+        eos_id = bench.bench_eos_id(model_cfg, data)
+        batch = bench.with_documents(batch, eos_id, data.documents_per_window)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    # The abstract mesh names the GPU that Pallas' Triton lowering compiles for.
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), _pallas.lowering_for_gpu():
+        lowered = built["step"].train_step.lower(shapes, batch)
+    memory = lowered.compile().memory_analysis()
+    args, temp = memory.argument_size_in_bytes, memory.temp_size_in_bytes
+    fresh_outputs = memory.output_size_in_bytes - memory.alias_size_in_bytes
+    return {
+        "attention": plan.attention,
+        "arguments_gib": round(args / GIB, 3),
+        "temporaries_gib": round(temp / GIB, 3),
+        "peak_gib": round((args + temp + fresh_outputs) / GIB, 3),
+    }
+
+
+def main(argv):
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # before jax starts
+    spec, model_cfg, optim, data, mesh_cfg = cli_bench.start(argv)
+    device = kernel_code.h200_compile_device()
+    if device is None:
+        raise SystemExit(
+            "step_memory: the step is compiled for a compile-only H200; install jax's CUDA "
+            f'plugin (pip install "jax-cuda13-plugin[with-cuda]=={jax.__version__}")'
+        )
+    row = {"model": spec.model, "batch_size": data.batch_size, "seq_len": data.seq_len}
+    row |= step_memory(model_cfg, spec, optim, data, mesh_cfg.zero_level, device)
+    print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    cli_bench.define_flags()
+    app.run(main, flags_parser=parse_argv)
