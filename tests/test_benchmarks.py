@@ -287,16 +287,30 @@ def test_spills_prints_each_settings_kernels_or_the_error_that_stopped_it(monkey
 CUDA_PLUGIN = importlib.util.find_spec("jax_cuda13_plugin") is not None
 
 
-@pytest.mark.skipif(CUDA_PLUGIN, reason="jax's CUDA plugin is installed: --spills compiles")
-def test_spills_without_a_gpu_or_the_cuda_plugin_is_a_one_line_exit():
-    cmd = [sys.executable, "-m", "benchmarks.flash_attention", "--spills"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+PLUGIN_INSTALL = f'pip install "jax-cuda13-plugin[with-cuda]=={jax.__version__}"'
+
+
+@pytest.mark.skipif(CUDA_PLUGIN, reason="jax's CUDA plugin is installed: these compile")
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["benchmarks.flash_attention", "--spills"],
+            "--spills: Mosaic GPU compiles its kernels for a GPU; run it on one, or install "
+            f"jax's CUDA plugin ({PLUGIN_INSTALL}) to compile for an H200 here",
+        ),
+        (
+            ["benchmarks.step_memory", "--model=tiny"],
+            "step_memory: the step is compiled for a compile-only H200; install jax's CUDA "
+            f"plugin ({PLUGIN_INSTALL})",
+        ),
+    ],
+    ids=["spills", "step_memory"],
+)
+def test_compiling_for_an_h200_without_a_gpu_or_the_cuda_plugin_is_a_one_line_exit(args, message):
+    out = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
-    assert out.stderr.strip().splitlines()[-1] == (
-        "--spills: Mosaic GPU compiles its kernels for a GPU; run it on one, or install jax's "
-        f'CUDA plugin (pip install "jax-cuda13-plugin[with-cuda]=={jax.__version__}") to compile '
-        "for an H200 here"
-    )
+    assert out.stderr.strip().splitlines()[-1] == message
 
 
 @pytest.mark.skipif(not CUDA_PLUGIN, reason="needs jax's CUDA plugin (a compile-only H200)")
@@ -311,17 +325,6 @@ def test_spills_compiles_the_kernels_for_a_compile_only_h200_without_a_gpu():
     assert len(row["spills"]) == 2  # the forward, and dK/dV with dQ
     for loops in row.get("product_loops", {}).values():  # with ptxas and nvdisasm on PATH
         assert loops and all(wgmma > 0 and stl == ldl == 0 for _, wgmma, stl, ldl, _ in loops)
-
-
-@pytest.mark.skipif(CUDA_PLUGIN, reason="jax's CUDA plugin is installed: step_memory compiles")
-def test_step_memory_without_the_cuda_plugin_is_a_one_line_exit():
-    cmd = [sys.executable, "-m", "benchmarks.step_memory", "--model=tiny"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1
-    assert out.stderr.strip().splitlines()[-1] == (
-        "step_memory: the step is compiled for a compile-only H200; install jax's CUDA plugin "
-        f'(pip install "jax-cuda13-plugin[with-cuda]=={jax.__version__}")'
-    )
 
 
 def test_pallas_kernels_lower_for_a_gpu_from_a_cpu_only_where_asked():
