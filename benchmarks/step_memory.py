@@ -3,9 +3,10 @@
 The step is built as the bench builds it (the same flags), from shapes only: no parameter is
 made. It is compiled for a compile-only H200 (jax's CUDA plugin, as `benchmarks.flash_attention
 --spills` does), and XLA's memory analysis of it gives the bytes of the state and batch it
-takes, of the temporaries it needs, and their sum: the peak the GPU reaches (the bench's
-`peak_memory_gib_per_device`; 65.41 GiB both ways for Llama 3.2 3B at 2 x 8192, unrolled,
-before its attention's zero buffers were made layer by layer). One JSON line.
+takes, of the temporaries it needs, and their sum: the peak the GPU reaches, the bench's
+`peak_memory_gib_per_device` (Llama 3.2 3B at 2 x 8192, unrolled, with jaxllmq's attention
+before its zero buffers were made layer by layer: 65.41 GiB measured and compiled alike). One
+JSON line.
 
     python3 -m benchmarks.step_memory --model=llama-3.2-3b --batch_size=2 --seq_len=8192 \\
         --noscan_layers --model_dtype=bfloat16 --opt_m_dtype=bfloat16 --opt_v_dtype=bfloat16
