@@ -3,9 +3,10 @@
 Causal GQA attention forward + backward (and forward alone) at each shape and head dim, cuDNN's
 fused kernel beside ours (`jaxllmq/kernels/flash_attention/`), with the errors of each against a
 float32 XLA reference; then ours over packed documents (the bench's log-normal length mix) and
-with sliding windows (cuDNN's too) against ours causal at the same shape, ours each with the
-share of causal's 128 x 128 blocks its queries see (the blocks the kernels compute) beside the
-share of causal's time it takes. Times are the median over batches of calls issued back to
+with sliding windows (cuDNN's too) against ours causal at the same shape (with each --blocks
+setting, changed from bounded attention's default tiles), ours each with the share of causal's
+128 x 128 blocks its queries see (the blocks the kernels compute) beside the share of causal's
+time it takes. Times are the median over batches of calls issued back to
 back. One JSON line per measurement. With --jax_linear_attention, also that package's kernel of
 the same design; with --flash_attn3, FlashAttention-3's CUDA kernels for Hopper (optional extras:
 the project does not need them). With --spills, no timing: each kernel's register spills as
@@ -219,16 +220,21 @@ def measure(b: int, t: int, d: int) -> None:
     block_shares = {}
 
     def bounded(name, seg, window):
-        """Ours over documents `seg` within `window`; returns the reference for those bounds."""
+        """Ours over documents `seg` within `window`, with each --blocks setting (changed from
+        the defaults of bounded attention); returns the reference for those bounds."""
         fk, _ = fa.key_bounds(t, seg, window, b)
-        variants[name] = (
-            lambda q, k, v: fa.flash_attention(
-                q, k, v, scale=scale, segment_ids_BxT=seg, window=window
-            ),
-            lambda q, k, v: reference(q, k, v, fk),
-        )
-        block_shares[name] = visible_blocks(fk) / causal_blocks
-        return variants[name][1]
+        bounds_reference = lambda q, k, v: reference(q, k, v, fk)  # noqa: E731
+        for spec in FLAGS.blocks:
+            row = f"{name} {spec}" if spec else name
+            blocks = parse_blocks(spec, d)
+            variants[row] = (
+                lambda q, k, v, blocks=blocks: fa.flash_attention(
+                    q, k, v, scale=scale, segment_ids_BxT=seg, window=window, blocks=blocks
+                ),
+                bounds_reference,
+            )
+            block_shares[row] = visible_blocks(fk) / causal_blocks
+        return bounds_reference
 
     if FLAGS.documents:
         bounded("mosaic documents", jnp.asarray(bench.document_segment_ids(b, t)), None)

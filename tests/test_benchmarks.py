@@ -149,6 +149,39 @@ def test_the_flash_bench_reports_the_largest_and_the_whole_tensors_error():
     )
 
 
+def test_the_flash_bench_times_each_tile_setting_over_documents_and_windows_too(
+    monkeypatch, capsys
+):
+    """Every --blocks setting gets a row over documents and within each window, its tiles those
+    of bounded attention with the setting's fields changed."""
+    tiles = []
+
+    def attention(q, k, v, *, scale, segment_ids_BxT=None, window=None, blocks=None):
+        tiles.append((segment_ids_BxT is not None, window, blocks))
+        return fa.reference_attention(q, k, v, scale)  # the tiles are what is checked
+
+    monkeypatch.setattr(fa, "flash_attention", attention)
+    monkeypatch.setattr(flash_attention.bench, "time_calls", lambda call, calls: (call(), 1e-3)[1])
+    settings = ["--blocks=", "--blocks=per_warpgroup_code=1", "--windows=64", "--nocudnn"]
+    flash_attention.FLAGS(["flash_attention", *settings, "--noerrors"])
+    try:
+        flash_attention.measure(1, 256, 64)
+    finally:
+        flash_attention.FLAGS.unparse_flags()
+    rows = [json.loads(line)["variant"] for line in capsys.readouterr().out.splitlines()]
+    changed = dataclasses.replace(fa.default_blocks(64), per_warpgroup_code=True)
+    assert rows == [
+        "mosaic default",
+        "mosaic per_warpgroup_code=1",
+        "mosaic documents",
+        "mosaic documents per_warpgroup_code=1",
+        "mosaic window 64",
+        "mosaic window 64 per_warpgroup_code=1",
+    ]
+    assert (True, None, changed) in tiles and (False, 64, changed) in tiles
+    assert (True, None, fa.default_blocks(64)) in tiles
+
+
 def test_jax_linear_attention_is_a_one_line_exit_where_it_is_not_installed(monkeypatch):
     monkeypatch.setitem(sys.modules, "jla", None)  # import jla raises ImportError
     with pytest.raises(SystemExit, match="--jax_linear_attention: the package is not installed"):
