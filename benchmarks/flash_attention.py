@@ -6,10 +6,10 @@ float32 XLA reference; then ours over packed documents (the bench's log-normal l
 with sliding windows (cuDNN's too) against ours causal at the same shape (with each --blocks
 setting, changed from bounded attention's default tiles), ours each with the share of causal's
 128 x 128 blocks its queries see (the blocks the kernels compute) beside the share of causal's
-time it takes. Times are the median over batches of calls issued back to
-back. One JSON line per measurement. With --jax_linear_attention, also that package's kernel of
-the same design; with --flash_attn3, FlashAttention-3's CUDA kernels for Hopper (optional extras:
-the project does not need them). With --spills, no timing: each kernel's register spills as
+time it takes. Times are the median over batches of calls issued back to back. One JSON line per
+measurement. With --jax_linear_attention, also that package's kernel of the same design; with
+--flash_attn3, FlashAttention-3's CUDA kernels for Hopper (optional extras: the project does not
+need them). With --spills, no timing: each kernel's register spills as
 ptxas reports them, and how many sit in its loops of matrix products (benchmarks/kernel_code.py),
 per head dim and --blocks setting, on a GPU or, with jax's CUDA plugin, on a machine without one.
 

@@ -22,12 +22,11 @@ import numpy as np
 from absl import app
 
 from benchmarks import kernel_code
-from jaxllmq import bench, train_step
+from jaxllmq import bench
 from jaxllmq.cli import bench as cli_bench
 from jaxllmq.cli.flags import parse_argv
 from jaxllmq.kernels import _pallas
 from jaxllmq.parallel.mesh import MESH_AXES
-from jaxllmq.plan import plan_for
 
 GIB = 2**30
 
@@ -35,31 +34,23 @@ GIB = 2**30
 def step_memory(model_cfg, spec, optim, data, zero_level: int, device) -> dict:
     """The step's memory analysis in GiB, compiled for `device` (a mesh of it alone)."""
     mesh = jax.sharding.Mesh(np.array([device]).reshape((1,) * len(MESH_AXES)), MESH_AXES)
-    plan = plan_for(
-        model_cfg, spec, mesh, zero_level=zero_level, documents_per_window=data.documents_per_window
-    )
     built = {}
 
     def state():
-        built["step"] = train_step.build(
-            model_cfg, spec, optim, plan, mesh=mesh, total_steps=10_000, seed=0
-        )
-        return built["step"].state
+        built["steps"] = bench.build_steps(model_cfg, spec, optim, data, mesh, zero_level)
+        return built["steps"].state
 
     shapes = jax.eval_shape(state)
-    batch = bench.synthetic_batch(model_cfg, data.grad_accumulation, data.batch_size, data.seq_len)
-    if data.document_masking:
-        eos_id = bench.bench_eos_id(model_cfg, data)
-        batch = bench.with_documents(batch, eos_id, data.documents_per_window)
+    batch = bench.local_synthetic_batch(model_cfg, data, data.batch_size, seed=0)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     # The abstract mesh names the GPU that Pallas' Triton lowering compiles for.
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), _pallas.lowering_for_gpu():
-        lowered = built["step"].train_step.lower(shapes, batch)
+        lowered = built["steps"].train_step.lower(shapes, batch)
     memory = lowered.compile().memory_analysis()
     args, temp = memory.argument_size_in_bytes, memory.temp_size_in_bytes
     fresh_outputs = memory.output_size_in_bytes - memory.alias_size_in_bytes
     return {
-        "attention": plan.attention,
+        "attention": built["steps"].plan.attention,
         "arguments_gib": round(args / GIB, 3),
         "temporaries_gib": round(temp / GIB, 3),
         "peak_gib": round((args + temp + fresh_outputs) / GIB, 3),

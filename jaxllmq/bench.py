@@ -166,22 +166,34 @@ def build_synthetic(
     data.batch_size is per data-parallel device; each process supplies its own rows, as the data
     pipeline does.
     """
+    built = build_steps(model_cfg, spec, optim, data, mesh, zero_level)
+    rows = batch_rows(mesh, data.batch_size) // jax.process_count()
+    local = local_synthetic_batch(model_cfg, data, rows, seed=jax.process_index())
+    return built, to_global_arrays(local, built.batch_sharding)
+
+
+def build_steps(
+    model_cfg: ModelConfig,
+    spec: ModelSpec,
+    optim: OptimConfig,
+    data: DataConfig,
+    mesh: jax.sharding.Mesh,
+    zero_level: int = 1,
+) -> train_step.ModelOnMesh:
+    """The state and steps as a training run builds them, from the plan for this mesh."""
     plan = plan_for(
         model_cfg, spec, mesh, zero_level=zero_level, documents_per_window=data.documents_per_window
     )
-    built = train_step.build(model_cfg, spec, optim, plan, mesh=mesh, total_steps=10_000, seed=0)
-    rows = batch_rows(mesh, data.batch_size)
-    local = synthetic_batch(
-        model_cfg,
-        data.grad_accumulation,
-        rows // jax.process_count(),
-        data.seq_len,
-        seed=jax.process_index(),
-    )
+    return train_step.build(model_cfg, spec, optim, plan, mesh=mesh, total_steps=10_000, seed=0)
+
+
+def local_synthetic_batch(model_cfg: ModelConfig, data: DataConfig, rows: int, seed: int) -> dict:
+    """This process's `rows` synthetic windows (with --document_masking, documents in them)."""
+    local = synthetic_batch(model_cfg, data.grad_accumulation, rows, data.seq_len, seed=seed)
     if data.document_masking:
         eos_id, per_window = bench_eos_id(model_cfg, data), data.documents_per_window
-        local = with_documents(local, eos_id, per_window, seed=jax.process_index())
-    return built, to_global_arrays(local, built.batch_sharding)
+        local = with_documents(local, eos_id, per_window, seed=seed)
+    return local
 
 
 def profile_guided(built: train_step.ModelOnMesh, state, batch, step, steps: int):
