@@ -125,10 +125,11 @@ def default_blocks(head_dim: int, deterministic: bool = False, causal_len: int =
     each warpgroup's code its own and the mask's offset first (level at 8 x 2048, 3-6% faster
     at 4 x 4096 and 2 x 8192 than dQ's own kernel; under `deterministic` dQ's own kernel, with
     the last two, 0.3-1% faster). Over documents or within a window that backward was 1.09-1.17x
-    and 1.05x slower, so they keep the two kernels as they were. There dK/dV's CTAs run in one
-    section (0.4-2% faster than sections of 32 MiB, which are 1-3% faster at 64) and wait for a
-    step's four loads one by one (1.5-2% faster than on one barrier, which is 2.6-2.9% faster at
-    64). Three forward stages were no faster at 64, 192-key forward tiles 1.3-1.8x slower;
+    and 1.05x slower, so they keep the two kernels, with the last two as well (over documents
+    5-8% faster at 2 x 8192, within a window of 1024 3%, level at 8 x 2048 and 4 x 4096). At
+    128 dK/dV's CTAs run in one section (0.4-2% faster than sections of 32 MiB, which are 1-3%
+    faster at 64) and wait for a step's four loads one by one (1.5-2% faster than on one
+    barrier, which is 2.6-2.9% faster at 64). Three forward stages were no faster at 64, 192-key forward tiles 1.3-1.8x slower;
     neither, nor 256-key tiles, fits shared memory at 128."""
     kernel_d = kernel_head_dim(head_dim)
     if kernel_d == 64:
@@ -141,16 +142,15 @@ def default_blocks(head_dim: int, deterministic: bool = False, causal_len: int =
             dkv_stages=4,
         )
     if kernel_d == 128:
-        plain_causal = causal_len > 0
-        fused = plain_causal and not deterministic
+        fused = causal_len > 0 and not deterministic
         return FlashBlocks(
             dkv_section=0,
             dkv_one_ready=False,
             dq_in_dkv=fused,
             dkv_overlap=fused,
             dkv_ds_before_dv=fused,
-            dkv_mask_offset_first=plain_causal,
-            per_warpgroup_code=plain_causal,
+            dkv_mask_offset_first=True,
+            per_warpgroup_code=True,
         )
     # 256: 64-key forward tiles, which fit shared memory (227 KiB) beside the forward's resident
     # [64, 256] query rows (wgmma contracts over 64 elements at least, so tiles cannot shrink
