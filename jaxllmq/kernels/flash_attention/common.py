@@ -129,8 +129,9 @@ def default_blocks(head_dim: int, deterministic: bool = False, causal_len: int =
     5-8% faster at 2 x 8192, within a window of 1024 3%, level at 8 x 2048 and 4 x 4096). At
     128 dK/dV's CTAs run in one section (0.4-2% faster than sections of 32 MiB, which are 1-3%
     faster at 64) and wait for a step's four loads one by one (1.5-2% faster than on one
-    barrier, which is 2.6-2.9% faster at 64). Three forward stages were no faster at 64, 192-key forward tiles 1.3-1.8x slower;
-    neither, nor 256-key tiles, fits shared memory at 128."""
+    barrier, which is 2.6-2.9% faster at 64). Three forward stages were no faster at 64,
+    192-key forward tiles 1.3-1.8x slower; neither, nor 256-key tiles, fits shared memory at
+    128."""
     kernel_d = kernel_head_dim(head_dim)
     if kernel_d == 64:
         return FlashBlocks(
