@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxllmq.model import gemma
 from jaxllmq.model.architecture import PRESETS, ModelConfig, ModelConfigError, RopeScaling, preset
-from jaxllmq.model.llama import Llama, abstract_model, gated, params_of
+from jaxllmq.model.llama import Llama, abstract_model, gated_activation, params_of
 
 REAL_COUNTS = {
     "llama-3.2-1b": 1_235_814_400,
@@ -202,7 +202,7 @@ def test_gated_activation_has_autodiffs_gradients(act, dtype):
     # Its backward recomputes act from gate: the same operations autodiff runs, so the same bits.
     keys = jax.random.split(jax.random.key(0), 3)
     gate, up, g = (jax.random.normal(k, (4, 64), jnp.float32).astype(dtype) for k in keys)
-    ours = jax.vjp(lambda a, b: gated(act, a, b), gate, up)
+    ours = jax.vjp(lambda a, b: gated_activation(act, a, b), gate, up)
     theirs = jax.vjp(lambda a, b: act(a) * b, gate, up)
     np.testing.assert_array_equal(ours[0], theirs[0])
     for a, b in zip(ours[1](g), theirs[1](g), strict=True):
@@ -212,7 +212,7 @@ def test_gated_activation_has_autodiffs_gradients(act, dtype):
 def test_scanned_layers_keep_three_mlp_activations(capsys):
     # A scan over layers stacks whatever a layer keeps for its backward. Of the MLP's [B, T, F]
     # arrays that is gate, up and their gated product, not silu's intermediates as well (six
-    # in all before `gated`: 24 of the 1B's 55 GiB at 8 x 2048 in fp32).
+    # in all before `gated_activation`: 24 of the 1B's 55 GiB at 8 x 2048 in fp32).
     cfg = dataclasses.replace(preset("tiny"), num_hidden_layers=2, vocab_size=256)
     graphdef, _, _ = abstract_model(cfg, scan_layers=True, attention="xla")
     params = params_of(Llama(cfg, rngs=nnx.Rngs(0)))

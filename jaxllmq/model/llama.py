@@ -36,7 +36,7 @@ ALL_KEYS = int(np.iinfo(np.int32).max)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def gated(act: Callable, gate_BxTxF: jax.Array, up_BxTxF: jax.Array) -> jax.Array:
+def gated_activation(act: Callable, gate_BxTxF: jax.Array, up_BxTxF: jax.Array) -> jax.Array:
     """act(gate) * up, the MLP's gated activation. Its backward keeps only gate and up and
     recomputes act from gate: autodiff of silu keeps three more [B, T, F] arrays, which XLA
     fuses away between unrolled layers but a scan over layers must stack for every layer (the
@@ -44,18 +44,18 @@ def gated(act: Callable, gate_BxTxF: jax.Array, up_BxTxF: jax.Array) -> jax.Arra
     return act(gate_BxTxF) * up_BxTxF
 
 
-def _gated_forward(act, gate_BxTxF, up_BxTxF):
+def _gated_activation_forward(act, gate_BxTxF, up_BxTxF):
     return act(gate_BxTxF) * up_BxTxF, (gate_BxTxF, up_BxTxF)
 
 
-def _gated_backward(act, saved, g_BxTxF):
+def _gated_activation_backward(act, saved, g_BxTxF):
     gate_BxTxF, up_BxTxF = saved
     act_BxTxF, act_vjp = jax.vjp(act, gate_BxTxF)
     (d_gate_BxTxF,) = act_vjp(g_BxTxF * up_BxTxF)
     return d_gate_BxTxF, act_BxTxF * g_BxTxF
 
 
-gated.defvjp(_gated_forward, _gated_backward)
+gated_activation.defvjp(_gated_activation_forward, _gated_activation_backward)
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> jax.Array:
@@ -202,7 +202,7 @@ def decoder_layer(
     gate_BxTxF = checkpoint_name(linear(h_BxTxD, w["gate_proj"], "gate_proj"), FFN)
     up_BxTxF = checkpoint_name(linear(h_BxTxD, w["up_proj"], "up_proj"), FFN)
     act = gemma.gelu_tanh if cfg.is_gemma else jax.nn.silu
-    swiglu_BxTxF = checkpoint_name(gated(act, gate_BxTxF, up_BxTxF), SWIGLU)
+    swiglu_BxTxF = checkpoint_name(gated_activation(act, gate_BxTxF, up_BxTxF), SWIGLU)
     mlp_BxTxD = linear(swiglu_BxTxF, w["down_proj"], "down_proj")
     if cfg.is_gemma:
         mlp_BxTxD = norm(mlp_BxTxD, "post_feedforward_layernorm")
