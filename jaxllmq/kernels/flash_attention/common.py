@@ -22,8 +22,8 @@ COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 NO_MAX = -1e30
 HEAD_DIMS = (64, 128, 256)
 # Where causal forward + backward runs faster than cuDNN's on an H200, 8 x 2048 to 2 x 8192:
-# 1.18-1.28x at head dim 64, 1.02-1.08x at 128 (the 3B's and Qwen3 1.7B's steps 0.2-0.6%
-# faster, 2 x 8192 to 8 x 2048) and 1.03-1.14x at 256.
+# 1.18-1.28x at head dim 64, 1.02-1.09x at 128 (the 3B's and Qwen3 1.7B's steps level to 0.7%
+# faster, 2 x 8192 to 8 x 2048, at the same peak memory) and 1.03-1.14x at 256.
 CAUSAL_FASTER_HEAD_DIMS = (64, 128, 256)
 # A sliding window of at most this many keys on every layer runs faster than cuDNN's windowed
 # attention (8 x 2048 to 2 x 8192): at 128 1.04-1.19x for windows of 512 and 1024, level at 2048
