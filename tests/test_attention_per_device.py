@@ -42,7 +42,7 @@ def _reference_kernel(shares: list):
     """The kernel's pure-JAX stand-in: records the shapes each call sees, and whether it was
     asked for deterministic gradients."""
 
-    def run(q, k, v, *, scale, segment_ids_BxT=None, window=None, deterministic=False):
+    def run(q, k, v, *, scale, segment_ids_BxT=None, window=None, deterministic=False, **_):
         shares.append((q.shape, k.shape, deterministic))
         first_key = None
         if segment_ids_BxT is not None or window is not None:

@@ -395,7 +395,7 @@ def test_the_forward_takes_256_key_tiles_for_long_plain_causal_attention_at_head
     at kernel head dim 64 and without documents or a window (which skip whole key tiles)."""
     taken = []
 
-    def kernels(q, k, v, first_key, last_row, scale, vis, blocks):
+    def kernels(q, k, v, first_key, last_row, scale, vis, blocks, checkpoint_as):
         taken.append(blocks)
         return q
 

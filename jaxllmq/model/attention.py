@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxllmq.model.kv_cache import KVCache
@@ -81,15 +82,18 @@ def attend_documents(
     scale: float | None = None,
     mesh: Mesh | None = None,
     deterministic: bool = False,
+    checkpoint_as: str | None = None,
 ) -> jax.Array:
     """Causal GQA attention within each document: by XLA's mask, cuDNN's packed layout or our
-    kernel (per device of `mesh`, if given; `deterministic` as attend's); each query also
-    within its sliding `window` if one is given (an int, or under XLA a traced scalar), the
-    logits scaled by `scale` (default 1/sqrt(H))."""
+    kernel (per device of `mesh`, if given; `deterministic` and `checkpoint_as` as
+    flash_attention's); each query also within its sliding `window` if one is given (an int,
+    or under XLA a traced scalar), the logits scaled by `scale` (default 1/sqrt(H))."""
     T, H = q_BxTxNxH.shape[1], q_BxTxNxH.shape[-1]
     if documents.segment_ids_BxT is not None:
         seg = documents.segment_ids_BxT
-        return _mosaic(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, seg, window, scale, mesh, deterministic)
+        return _mosaic(
+            q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, seg, window, scale, mesh, deterministic, checkpoint_as
+        )
     if documents.mask_Bx1xTxT is not None:
         mask = documents.mask_Bx1xTxT
         if window is not None:
@@ -115,7 +119,7 @@ def attend_documents(
     )
 
 
-def _mosaic(q, k, v, segment_ids, window, scale, mesh, deterministic):
+def _mosaic(q, k, v, segment_ids, window, scale, mesh, deterministic, checkpoint_as=None):
     """Our flash attention, on each device's rows and heads under shard_map where `mesh` is
     given (a Pallas call has no partitioning rule): the batch split over the batch axes, the
     heads over the tensor axis, which keeps each query head with its key/value head, as
@@ -133,6 +137,7 @@ def _mosaic(q, k, v, segment_ids, window, scale, mesh, deterministic):
             segment_ids_BxT=segment_ids,
             window=window,
             deterministic=deterministic,
+            checkpoint_as=checkpoint_as,
         )
 
     args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
@@ -189,6 +194,7 @@ def attend(
     scale: float | None = None,
     mesh: Mesh | None = None,
     deterministic: bool = False,
+    checkpoint_as: str | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Causal GQA attention (K kv heads serve N/K query heads each; cuDNN's fused kernel on GPU),
     and the cache, if any, holding these tokens' keys and values too.
@@ -201,12 +207,22 @@ def attend(
     (None: one call over the whole batch), and with `deterministic` its gradients are
     bit-identical from run to run (at head dim 64 a little slower). With one layer's cache the
     queries are at positions cache.length.., and each reads the cached keys up to its own
-    position."""
+    position. `checkpoint_as`: a jax.ad_checkpoint name for the output (ours also names its
+    logsumexp, so that a recompute policy saving the name does not run its forward again)."""
+    if checkpoint_as is not None and (implementation != "mosaic" or cache is not None):
+        o_BxTxNxH, cache = attend(
+            q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, cache, implementation=implementation,
+            documents=documents, window=window, scale=scale, mesh=mesh,
+            deterministic=deterministic,
+        )  # fmt: skip
+        return checkpoint_name(o_BxTxNxH, checkpoint_as), cache
     traced = window is not None and not isinstance(window, int)
     if traced and implementation != "xla":
         raise ValueError(f"a per-layer window needs XLA's attention, not {implementation!r}")
     if implementation == "mosaic" and cache is None and documents is None:
-        o = _mosaic(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, None, window, scale, mesh, deterministic)
+        o = _mosaic(
+            q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, None, window, scale, mesh, deterministic, checkpoint_as
+        )
         return o, None
     if implementation == "mosaic":  # a KV cache's attention (generation): cuDNN's
         implementation = "cudnn"
@@ -220,6 +236,7 @@ def attend(
             scale=scale,
             mesh=mesh,
             deterministic=deterministic,
+            checkpoint_as=checkpoint_as,
         )
         return o_BxTxNxH, cache
     if cache is None:

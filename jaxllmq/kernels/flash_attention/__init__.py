@@ -50,6 +50,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxllmq.kernels.flash_attention import backward, forward
 from jaxllmq.kernels.flash_attention.common import (
@@ -151,18 +152,20 @@ _backward_dkv = jax.jit(backward.backward_dkv, static_argnames=_KERNEL_OPTIONS)
 _backward_dq = jax.jit(backward.backward_dq, static_argnames=_KERNEL_OPTIONS)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _flash(q, k, v, first_key, last_row, scale, vis, blocks):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _flash(q, k, v, first_key, last_row, scale, vis, blocks, checkpoint_as):
     o, _ = _forward(q, k, v, first_key, scale=scale, vis=vis, blocks=blocks)
     return o
 
 
-def _flash_fwd(q, k, v, first_key, last_row, scale, vis, blocks):
+def _flash_fwd(q, k, v, first_key, last_row, scale, vis, blocks, checkpoint_as):
     o, lse = _forward(q, k, v, first_key, scale=scale, vis=vis, blocks=blocks)
+    if checkpoint_as is not None:
+        o, lse = checkpoint_name(o, checkpoint_as), checkpoint_name(lse, checkpoint_as)
     return o, (q, k, v, o, lse, first_key, last_row)
 
 
-def _flash_bwd(scale, vis, blocks, res, do):
+def _flash_bwd(scale, vis, blocks, checkpoint_as, res, do):
     q, k, v, o, lse, first_key, last_row = res
     do = do.astype(q.dtype)
     delta = backward.row_delta(o, do)
@@ -189,6 +192,7 @@ def flash_attention(
     window: int | None = None,
     blocks: FlashBlocks | None = None,
     deterministic: bool = False,
+    checkpoint_as: str | None = None,
 ) -> jax.Array:
     """Causal attention [B, T, Hq, D] of q over k, v [B, T, Hkv, D] (Hq a multiple of Hkv),
     within each document of `segment_ids_BxT` and a sliding `window`, where `fits` says so.
@@ -196,7 +200,10 @@ def flash_attention(
     padding out of every real query's keys), a D below 64 or between 64 and 128 with zero
     columns (kernel_head_dim), and the output cut back. `blocks`: the tiles (default_blocks for
     the head dim, `deterministic` and, for plain causal attention, T when None;
-    `deterministic`: the gradients bit-identical from run to run)."""
+    `deterministic`: the gradients bit-identical from run to run). `checkpoint_as`: a
+    jax.ad_checkpoint name for the output and its rows' logsumexp, what the backward keeps
+    beside q, k and v; a recompute policy that saves the name then keeps them rather than
+    running the forward again, and the output a caller keeps is the same array."""
     b, t, hq, d = q_BxTxNxH.shape
     why = fits(d, hq, k_BxTxKxH.shape[2], q_BxTxNxH.dtype)
     if why:
@@ -213,5 +220,5 @@ def flash_attention(
     first_key = last_row = None
     if vis.bounded:
         first_key, last_row = key_bounds(t + pad, seg, window, b)
-    o = _flash(q, k, v, first_key, last_row, scale, vis, blocks)
+    o = _flash(q, k, v, first_key, last_row, scale, vis, blocks, checkpoint_as)
     return o[:, :t, :, :d] if pad or pad_d else o
