@@ -18,7 +18,6 @@ from jaxllmq.model.llama import (
     matmul_heads,
     params_of,
 )
-from jaxllmq.model.recompute import Recompute
 
 REAL_COUNTS = {
     "llama-3.2-1b": 1_235_814_400,
@@ -242,49 +241,3 @@ def test_matmul_heads_has_autodiffs_gradients(dtype):
     np.testing.assert_array_equal(ours[0], theirs[0])
     for a, b in zip(ours[1](g), theirs[1](g), strict=True):
         np.testing.assert_array_equal(a, b)
-
-
-def _tiny_with_our_attention(recompute: Recompute | None = None):
-    """A two-layer scanned bf16 model on jaxllmq's flash attention at head dim 64 (its heads
-    side by side, 512, wider than the model's 256), and its loss over 2 x 128 tokens."""
-    cfg = dataclasses.replace(preset("tiny"), num_hidden_layers=2, vocab_size=256, head_dim=64)
-    kw = dict(scan_layers=True, attention="mosaic", dtype=jnp.bfloat16, recompute=recompute)
-    graphdef, _, _ = abstract_model(cfg, **kw)
-    params = params_of(Llama(cfg, rngs=nnx.Rngs(0), **kw))
-    tokens = np.zeros((2, 129), np.int32)
-    loss = lambda p: nnx.merge(graphdef, p).logits(tokens[:, :-1]).astype(jnp.float32).sum()  # noqa: E731
-    return loss, params
-
-
-def test_scanned_layers_keep_the_attention_output_once(capsys):
-    # The attention's backward keeps its output o, and o_proj's keeps its input. As one array
-    # (matmul_heads) a scan stacks it once; as o and its heads side by side it stacked both.
-    loss, params = _tiny_with_our_attention()
-    jax.ad_checkpoint.print_saved_residuals(loss, params)
-    saved = capsys.readouterr().out
-    assert saved.count("bf16[2,2,128,8,64] output of scan") == 2  # q and o
-    assert "bf16[2,2,128,512] output of scan" not in saved
-
-
-def _calls_named(jaxpr, name: str) -> int:
-    """How many jitted calls named `name` `jaxpr` makes that return something (tracing leaves
-    an empty one behind), inside loops and remat too."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name == "jit" and eqn.params["name"] == name and bool(eqn.outvars)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    count += _calls_named(inner, name)
-    return count
-
-
-@pytest.mark.parametrize("switch, forwards", [("swiglu", 1), ("att", 2)])
-def test_a_recompute_policy_runs_the_attentions_forward_once_unless_told(switch, forwards):
-    # Our attention names its output and logsumexp as the policy's ATT, so a policy that saves
-    # ATT keeps them; unnamed, the backward ran the attention's forward again for them.
-    recompute = Recompute(**{switch: True})
-    recompute.check()
-    loss, params = _tiny_with_our_attention(recompute)
-    assert _calls_named(jax.make_jaxpr(jax.grad(loss))(params).jaxpr, "forward") == forwards

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxllmq.model import attention
 from jaxllmq.model.architecture import preset
 from jaxllmq.model.llama import Llama, abstract_model, params_of
 from jaxllmq.model.recompute import Recompute
@@ -98,3 +99,77 @@ def test_cheap_switches_recompute_no_matmul(flag):
     # norm must read the residual under its saved name, not a sum the policy cannot keep (which
     # would recompute the o_proj GEMM to rebuild it).
     assert _matmuls(Recompute(**{flag: True})) == _matmuls(Recompute())
+
+
+def _tiny_with_our_attention(recompute: Recompute | None = None):
+    """A two-layer scanned bf16 model on jaxllmq's flash attention at head dim 64 (its heads
+    side by side, 512, wider than the model's 256), and its loss over 2 x 128 tokens."""
+    cfg = dataclasses.replace(preset("tiny"), num_hidden_layers=2, vocab_size=256, head_dim=64)
+    kw = dict(scan_layers=True, attention="mosaic", dtype=jnp.bfloat16, recompute=recompute)
+    graphdef, _, _ = abstract_model(cfg, **kw)
+    params = params_of(Llama(cfg, rngs=nnx.Rngs(0), **kw))
+    tokens = np.zeros((2, 129), np.int32)
+    loss = lambda p: nnx.merge(graphdef, p).logits(tokens[:, :-1]).astype(jnp.float32).sum()  # noqa: E731
+    return loss, params
+
+
+def test_scanned_layers_keep_the_attention_output_once(capsys):
+    # The attention's backward keeps its output o, and o_proj's keeps its input. As one array
+    # (matmul_heads) a scan stacks it once; as o and its heads side by side it stacked both.
+    loss, params = _tiny_with_our_attention()
+    jax.ad_checkpoint.print_saved_residuals(loss, params)
+    saved = capsys.readouterr().out
+    assert saved.count("bf16[2,2,128,8,64] output of scan") == 2  # q and o
+    assert "bf16[2,2,128,512] output of scan" not in saved
+
+
+def _calls_named(jaxpr, name: str) -> int:
+    """How many jitted calls named `name` `jaxpr` makes that return something (tracing leaves
+    an empty one behind), inside loops and remat too."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == "jit" and eqn.params["name"] == name and bool(eqn.outvars)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    count += _calls_named(inner, name)
+    return count
+
+
+@pytest.mark.parametrize("switch, forwards", [("swiglu", 1), ("att", 2)])
+def test_a_recompute_policy_runs_the_attentions_forward_once_unless_told(switch, forwards):
+    # Our attention names its output and logsumexp as the policy's ATT, so a policy that saves
+    # ATT keeps them; unnamed, the backward ran the attention's forward again for them.
+    recompute = Recompute(**{switch: True})
+    recompute.check()
+    loss, params = _tiny_with_our_attention(recompute)
+    assert _calls_named(jax.make_jaxpr(jax.grad(loss))(params).jaxpr, "forward") == forwards
+
+
+def test_cudnns_saved_arrays_carry_the_name():
+    # What cuDNN's backward keeps beside q, k and v (its output, logsumexp) carries the policy's
+    # name, so a policy saving the name runs its forward once. A jitted XLA attention stands in
+    # for cuDNN's here (CPU), with a span argument as the packed documents pass theirs.
+    @jax.jit
+    def stand_in(q, k, v, lengths_B):
+        keys = jnp.arange(q.shape[1])[None, None, None, :] < lengths_B[:, None, None, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=keys, is_causal=True)
+
+    q = jax.random.normal(jax.random.key(0), (2, 16, 4, 8))
+    lengths = jnp.array([16, 9])
+    policy = jax.checkpoint_policies.save_only_these_names("att")
+
+    def loss(named_inside):
+        def attend(q):
+            if named_inside:
+                return attention._cudnn_saved_as("att", stand_in, q, q, q, lengths)
+            return jax.ad_checkpoint.checkpoint_name(stand_in(q, q, q, lengths), "att")
+
+        return jax.checkpoint(lambda q: jnp.sum(jnp.sin(attend(q))), policy=policy)
+
+    grads = [jax.grad(loss(named)) for named in (False, True)]
+    np.testing.assert_array_equal(grads[0](q), grads[1](q))
+    # The stand-in's backward is a jitted call of the same name: two forwards before, one now.
+    calls = [_calls_named(jax.make_jaxpr(g)(q).jaxpr, "stand_in") for g in grads]
+    assert calls == [3, 2]

@@ -12,6 +12,8 @@ training on their tokens (data/pipeline.py, `documents`).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -98,25 +100,71 @@ def attend_documents(
         mask = documents.mask_Bx1xTxT
         if window is not None:
             mask = mask & keys_within(T, window)[None, None]
-        return jax.nn.dot_product_attention(
+        o_BxTxNxH = jax.nn.dot_product_attention(
             q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask=mask, scale=scale, is_causal=True,
             implementation="xla",
         )  # fmt: skip
+        return _named(o_BxTxNxH, checkpoint_as)
     # jax exposes the packed layout only through its cuDNN module, not jax.nn.
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
-    return cudnn.dot_product_attention(
-        q_BxTxNxH,
-        k_BxTxKxH,
-        v_BxTxKxH,
-        q_seqlen=documents.lengths_BxM,
-        kv_seqlen=documents.lengths_BxM,
-        q_offsets=documents.offsets_BxM1,
-        kv_offsets=documents.offsets_BxM1,
-        scale=H**-0.5 if scale is None else scale,
-        mask_type=cudnn.MaskType.PADDING_CAUSAL,
-        sliding_window_length=window,
-    )
+    def packed(q, k, v, lengths_BxM, offsets_BxM1):
+        return cudnn.dot_product_attention(
+            q,
+            k,
+            v,
+            q_seqlen=lengths_BxM,
+            kv_seqlen=lengths_BxM,
+            q_offsets=offsets_BxM1,
+            kv_offsets=offsets_BxM1,
+            scale=H**-0.5 if scale is None else scale,
+            mask_type=cudnn.MaskType.PADDING_CAUSAL,
+            sliding_window_length=window,
+        )
+
+    spans = (documents.lengths_BxM, documents.offsets_BxM1)
+    return _cudnn_saved_as(checkpoint_as, packed, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *spans)
+
+
+def _named(x: jax.Array, name: str | None) -> jax.Array:
+    """x named `name` for jax.ad_checkpoint (None: as it is)."""
+    return x if name is None else checkpoint_name(x, name)
+
+
+def _cudnn_saved_as(name: str | None, attention_fn: Callable, q, k, v, *spans) -> jax.Array:
+    """cuDNN's attention_fn(q, k, v, *spans), its output named `name` for jax.ad_checkpoint
+    (None: not named), and so is the rest of what its backward keeps beside q, k and v (its
+    output and logsumexp): a recompute policy that saves `name` keeps them, rather than running
+    cuDNN's forward again in the backward pass, and the output the caller keeps is the array
+    the backward keeps."""
+    if name is None:
+        return attention_fn(q, k, v, *spans)
+    return _saved_as_named(attention_fn, name, q, k, v, *spans)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _saved_as_named(attention_fn, name, q, k, v, *spans):
+    return checkpoint_name(attention_fn(q, k, v, *spans), name)
+
+
+def _saved_as_forward(attention_fn, name, q, k, v, *spans):
+    o, pullback = jax.vjp(lambda q, k, v: attention_fn(q, k, v, *spans), q, k, v)
+    named_o = checkpoint_name(o, name)
+
+    def saved(x):
+        if x is o:
+            return named_o
+        return x if any(x is given for given in (q, k, v)) else checkpoint_name(x, name)
+
+    return named_o, (jax.tree.map(saved, pullback), spans)
+
+
+def _saved_as_backward(attention_fn, name, saved, g):
+    pullback, spans = saved
+    return (*pullback(g), *(None for _ in spans))
+
+
+_saved_as_named.defvjp(_saved_as_forward, _saved_as_backward)
 
 
 def _mosaic(q, k, v, segment_ids, window, scale, mesh, deterministic, checkpoint_as=None):
@@ -207,15 +255,9 @@ def attend(
     (None: one call over the whole batch), and with `deterministic` its gradients are
     bit-identical from run to run (at head dim 64 a little slower). With one layer's cache the
     queries are at positions cache.length.., and each reads the cached keys up to its own
-    position. `checkpoint_as`: a jax.ad_checkpoint name for the output (ours also names its
-    logsumexp, so that a recompute policy saving the name does not run its forward again)."""
-    if checkpoint_as is not None and (implementation != "mosaic" or cache is not None):
-        o_BxTxNxH, cache = attend(
-            q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, cache, implementation=implementation,
-            documents=documents, window=window, scale=scale, mesh=mesh,
-            deterministic=deterministic,
-        )  # fmt: skip
-        return checkpoint_name(o_BxTxNxH, checkpoint_as), cache
+    position. `checkpoint_as` (without a cache): a jax.ad_checkpoint name for the output and,
+    under ours and cuDNN's, for the logsumexp their backward keeps too, so that a recompute
+    policy saving the name does not run their forward again."""
     traced = window is not None and not isinstance(window, int)
     if traced and implementation != "xla":
         raise ValueError(f"a per-layer window needs XLA's attention, not {implementation!r}")
@@ -241,17 +283,18 @@ def attend(
         return o_BxTxNxH, cache
     if cache is None:
         mask = keys_within(q_BxTxNxH.shape[1], window)[None, None] if traced else None
-        o_BxTxNxH = jax.nn.dot_product_attention(
-            q_BxTxNxH,
-            k_BxTxKxH,
-            v_BxTxKxH,
+        fused = functools.partial(
+            jax.nn.dot_product_attention,
             mask=mask,
             scale=scale,
             is_causal=True,
             local_window_size=None if window is None or traced else (window - 1, 0),
             implementation=implementation,
         )
-        return o_BxTxNxH, None
+        if implementation == "cudnn":
+            return _cudnn_saved_as(checkpoint_as, fused, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH), None
+        # XLA's backward keeps the softmax too: recomputed under a policy, as before the name.
+        return _named(fused(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH), checkpoint_as), None
     T, S = q_BxTxNxH.shape[1], cache.k.shape[1]
     positions_Tx1 = (cache.length + jnp.arange(T))[:, None]
     visible_TxS = jnp.arange(S) <= positions_Tx1

@@ -240,6 +240,21 @@ def test_each_layer_zeroes_its_own_dq_sums():
     assert not made_together, made_together[0][:300]
 
 
+@pytest.mark.parametrize(
+    "recompute, forwards",
+    [(Recompute(swiglu=True), 1), (Recompute(att=True), 2)],
+    ids=["swiglu", "att"],
+)
+def test_cudnns_forward_runs_again_only_when_attention_is_recomputed(recompute, forwards):
+    # Under a policy that saves the attention's output, what cuDNN's backward keeps carries its
+    # name too (attention._cudnn_saved_as); unnamed, every layer's forward ran a second time.
+    lowered, plan = _lowered_step(attention="cudnn", scan_layers=False, recompute=recompute)
+    text = lowered.compile().as_text()
+    layers = load_model_config("tiny").num_hidden_layers
+    assert plan.attention == "cudnn"
+    assert text.count('custom_call_target="__cudnn$fmhaSoftmax"') == forwards * layers
+
+
 # MFU against the spec-sheet bf16 peak: the 1B's step with these settings (fp32 master and
 # moments, scanned layers) measured 0.43-0.46 on H200s; pure bf16 and unrolled, 0.55.
 MFU_RANGE = (0.3, 0.8)
