@@ -127,6 +127,38 @@ def test_compiled_memory_falls_with_the_level():
     assert sizes[0] > sizes[1] > sizes[2], sizes
 
 
+def _forward_layer_scans(jaxpr) -> list:
+    """The scans over layers that run forward (not reversed) and hold no loop of their own."""
+    found = []
+    for eqn in jaxpr.eqns:
+        inner = [p.jaxpr for p in eqn.params.values() if hasattr(getattr(p, "jaxpr", None), "eqns")]
+        nested = [scan for sub in inner for scan in _forward_layer_scans(sub)]
+        innermost = eqn.primitive.name == "scan" and not any(
+            e.primitive.name in ("scan", "while") for sub in inner for e in sub.eqns
+        )
+        found += nested
+        if (
+            innermost
+            and not eqn.params["reverse"]
+            and eqn.params["length"] == CFG.num_hidden_layers
+        ):
+            found.append(eqn)
+    return found
+
+
+@pytest.mark.parametrize("zero_level", [1, 3])
+def test_the_scanned_forward_keeps_no_layers_weights(zero_level):
+    # What a scan's forward keeps for the backward pass it stacks, a layer a step. Of the
+    # layers' weights that was each one's sharding constraint (recompute.Recompute.wrap): a
+    # no-op under ZeRO-1/2, but a new array all the same, and ZeRO-3's all-gather, which the
+    # backward now gathers again.
+    built, _ = _on_8(zero_level)
+    batch = jax.device_put(BATCHES[0], built.batch_sharding)
+    [forward] = _forward_layer_scans(jax.make_jaxpr(built.train_step)(built.state, batch).jaxpr)
+    weights = {x.shape for x in jax.tree.leaves(built.state.params["layers"])}
+    assert not weights & {v.aval.shape for v in forward.outvars}
+
+
 def _losses(built: train_step.ModelOnMesh, step=None) -> np.ndarray:
     # A copy of the initial state: the step donates its input, and a built model serves twice.
     state, out = jax.tree.map(lambda x: x.copy(), built.state), []

@@ -390,8 +390,7 @@ class Llama(nnx.Module):
             )
             return self.constrain(x), cache
 
-        # Inside scan, CSE cannot merge the recomputation into the forward: no barrier needed.
-        wrap = functools.partial(self.recompute.wrap, prevent_cse=not self.scan_layers)
+        wrap = functools.partial(self.recompute.wrap, scanned=self.scan_layers)
         kinds = list(zip(cfg.layer_windows(), cfg.layer_local_rope(), strict=True))
         stacked = self.layers.arrays()
         if self.scan_layers and not cfg.mixed_windows:
