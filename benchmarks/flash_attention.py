@@ -305,13 +305,14 @@ def main(argv):
     if FLAGS.spills:
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # before jax starts
         on_gpu = jax.default_backend() == "gpu"
-        device = None if on_gpu else kernel_code.h200_compile_device()
-        if not on_gpu and device is None:
+        devices = None if on_gpu else kernel_code.h200_compile_devices()
+        if not on_gpu and devices is None:
             raise SystemExit(
                 "--spills: Mosaic GPU compiles its kernels for a GPU; run it on one, or install "
                 f'jax\'s CUDA plugin (pip install "jax-cuda13-plugin[with-cuda]=={jax.__version__}")'
                 " to compile for an H200 here"
             )
+        device = devices[0] if devices else None
         for d in map(int, FLAGS.head_dims):
             report_spills(d, FLAGS.blocks, FLAGS.heads, FLAGS.kv_heads, device)
         return

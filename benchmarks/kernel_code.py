@@ -7,8 +7,8 @@ nvdisasm are on PATH (CUDA's toolkit; nvdisasm also comes as the nvidia-cuda-nvd
 it compiles the PTX again and reads the machine code's loops. Neither needs a GPU.
 
 Nor does the compile: with jax's CUDA plugin installed (`pip install
-"jax-cuda13-plugin[with-cuda]==<jax's version>"`), `h200_compile_device` gives a compile-only
-H200, and a jit lowered for it compiles Mosaic GPU's kernels as on the GPU. With the GPU
+"jax-cuda13-plugin[with-cuda]==<jax's version>"`), `h200_compile_devices` gives compile-only
+H200s, and a jit lowered for them compiles Mosaic GPU's kernels as on the GPU. With the GPU
 machine's jax (0.11.2, which wants Python 3.12) the PTX is the GPU machine's, instruction for
 instruction; an older jax's Mosaic GPU writes somewhat different code.
 """
@@ -126,20 +126,20 @@ def machine_code(ptx: pathlib.Path) -> str | None:
     return listing.stdout
 
 
-def h200_compile_device():
-    """A compile-only H200 from jax's CUDA plugin (no GPU needed), or None without the plugin.
-    On a machine without a GPU the plugin starts only if its start-up check of the CUDA
-    libraries against a driver is skipped (JAX_SKIP_CUDA_CONSTRAINTS_CHECK, read when jax first
-    starts its backends)."""
+def h200_compile_devices(count: int = 1) -> list | None:
+    """`count` compile-only H200s of one machine from jax's CUDA plugin (no GPU needed), or None
+    without the plugin. On a machine without a GPU the plugin starts only if its start-up check
+    of the CUDA libraries against a driver is skipped (JAX_SKIP_CUDA_CONSTRAINTS_CHECK, read
+    when jax first starts its backends)."""
     from jax.experimental import topologies
 
     try:
         topology = topologies.get_topology_desc(
-            platform="cuda", target_config=H200_TARGET, topology="1x1x1"
+            platform="cuda", target_config=H200_TARGET, topology=f"1x1x{count}"
         )
     except (NotImplementedError, RuntimeError):  # no CUDA plugin
         return None
-    return topology.devices[0]
+    return list(topology.devices)
 
 
 def compiled_kernels(dump: str) -> tuple[dict, dict]:

@@ -375,9 +375,15 @@ def test_step_memory_reads_the_step_s_peak_without_a_gpu():
     least their sum, under the plan for one H200."""
     cmd = [sys.executable, "-m", "benchmarks.step_memory", "--model=tiny"]
     cmd += ["--batch_size=2", "--seq_len=128"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    (row,) = [json.loads(line) for line in out.stdout.splitlines()]
-    assert row["attention"] == "cudnn"  # head dim 32: cuDNN's on one H200
-    assert row["arguments_gib"] > 0 and row["temporaries_gib"] > 0
-    assert row["peak_gib"] >= row["arguments_gib"] + row["temporaries_gib"]
+    rows = []
+    for mesh in ([], ["--gpus=4", "--zero_level=3"]):
+        out = subprocess.run(cmd + mesh, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        rows += [json.loads(line) for line in out.stdout.splitlines()]
+    one, four = rows
+    assert one["attention"] == "cudnn"  # head dim 32: cuDNN's on one H200
+    assert one["arguments_gib"] > 0 and one["temporaries_gib"] > 0
+    assert one["peak_gib"] >= one["arguments_gib"] + one["temporaries_gib"]
+    # Per GPU: ZeRO-3 on four holds a quarter of the state, beside a batch of the same rows.
+    assert (four["gpus"], four["zero_level"]) == (4, 3)
+    assert four["arguments_gib"] < one["arguments_gib"] / 2

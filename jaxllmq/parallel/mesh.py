@@ -38,14 +38,19 @@ def make_mesh(gpus: int = 0, *, tensor_parallel: int = 1, data_parallel: int = 1
     chosen = []
     for p in range(jax.process_count()):
         chosen += [d for d in devices if d.process_index == p][:per_process]
-    n = len(chosen)
+    return mesh_of(chosen, tensor_parallel=tensor_parallel, data_parallel=data_parallel)
+
+
+def mesh_of(devices: list, *, tensor_parallel: int = 1, data_parallel: int = 1) -> Mesh:
+    """make_mesh's mesh over these `devices`, in their order."""
+    n = len(devices)
     if n % (tensor_parallel * data_parallel):
         raise MeshError(
             f"{n} devices cannot be split into --data_parallel={data_parallel} x "
             f"--tensor_parallel={tensor_parallel} groups"
         )
     shape = (data_parallel, n // (tensor_parallel * data_parallel), tensor_parallel)
-    return Mesh(np.asarray(chosen).reshape(shape), MESH_AXES)
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
