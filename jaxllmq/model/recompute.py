@@ -73,12 +73,12 @@ class Recompute(Settings):
 
     def wrap(self, layer: Callable, *, scanned: bool) -> Callable:
         """`layer` under jax.checkpoint with this policy. When nothing is recomputed: unchanged
-        if unrolled; if `scanned`, under a policy that keeps everything but what sharding
-        constraints make, each layer's weights as its matmuls take them (a new array even where
-        the constraint moves nothing; under ZeRO-3, gathered whole), and fp32 copies. A scan
-        stacked them for the backward pass, a copy of every layer's weights (5.25 GiB of Qwen3
-        1.7B's peak in bf16 at 2 x 8192) and, with XLA's RMSNorm, an fp32 copy of each norm's
-        input; the backward now makes them again."""
+        if unrolled; if `scanned`, under a policy that keeps everything but copies
+        (_all_but_copies): each layer's weights as its sharding constraint gives them (a new
+        array even where the constraint moves nothing; under ZeRO-3, gathered whole), slices,
+        fp32 copies. A scan stacked them for the backward pass, a copy of every layer's weights
+        (5.25 GiB of Qwen3 1.7B's peak in bf16 at 2 x 8192) and, with XLA's RMSNorm, an fp32
+        copy of each norm's input; the backward now makes them again."""
         if self.offload_residual:
             kept = [] if self.block else [n for n in SAVED if n not in self.names() and n != RESID]
             policy = jax.checkpoint_policies.save_and_offload_only_these_names(
@@ -92,7 +92,7 @@ class Recompute(Settings):
         elif self.saves_all() and not scanned:
             return layer
         elif self.saves_all():
-            policy = _all_but_constrained_and_fp32_copies
+            policy = _all_but_copies
         else:
             kept = [name for name in SAVED if name not in self.names()]
             policy = jax.checkpoint_policies.save_only_these_names(*kept)
@@ -100,10 +100,14 @@ class Recompute(Settings):
         return jax.checkpoint(layer, policy=policy, prevent_cse=not scanned)
 
 
-def _all_but_constrained_and_fp32_copies(primitive, *_, **params) -> bool:
-    """A jax.checkpoint policy: everything may be saved but what a sharding constraint makes and
-    fp32 copies of narrower arrays (XLA's RMSNorm's statistics' input), which the backward makes
-    again from the array they copy, reading half the bytes."""
+def _all_but_copies(primitive, *_, **params) -> bool:
+    """A jax.checkpoint policy: everything may be saved but copies the backward makes again from
+    what they copy: what a sharding constraint makes, slices (a layer's weights taken from its
+    group's, in a scan over groups of layers), fp32 copies of narrower arrays (XLA's RMSNorm's
+    statistics' input; made again from half the bytes) and one-byte ones (fp8 linears'
+    quantized operands: saved under this policy, the gradients came out non-finite, on CPU
+    with jax 0.10; quantized again in the backward, they train as without the policy)."""
     if primitive.name == "convert_element_type":
-        return params["new_dtype"] != jnp.float32
-    return primitive.name != "sharding_constraint"
+        copy = jnp.dtype(params["new_dtype"])
+        return copy != jnp.float32 and copy.itemsize > 1
+    return primitive.name not in ("sharding_constraint", "slice", "squeeze")
