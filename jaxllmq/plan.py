@@ -226,13 +226,6 @@ def make_plan(
         run["rms_norm"] = "xla"
     # A Pallas call has no partitioning rule: on several devices it runs per device's tokens.
     per_device = lambda impl: impl in ("pallas", "mosaic") and devices > 1
-    per_layer_windows = spec.scan_layers and model_cfg.mixed_windows
-    if per_layer_windows and spec.attention in ("cudnn", "mosaic"):
-        raise ModelConfigError(
-            f"--attention={spec.attention} with --scan_layers: this model's layers differ in "
-            "their sliding windows, which a scan gives attention as a mask that XLA's attention "
-            "only takes; use --attention=xla, or --noscan_layers (each layer its own window)"
-        )
     mosaic_refusal = _mosaic_attention_refusal(model_cfg, dtype, platform, hopper)
     if spec.attention == "mosaic" and mosaic_refusal:
         raise ModelConfigError(f"{mosaic_refusal}; use --attention=auto")
@@ -241,7 +234,6 @@ def make_plan(
         dtype,
         platform=platform,
         deterministic=spec.deterministic,
-        per_layer_windows=per_layer_windows,
         mosaic=mosaic_refusal is None,
         mosaic_faster=mosaic_refusal is None
         and _mosaic_attention_faster(model_cfg, devices, documents_per_window is not None),

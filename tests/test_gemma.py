@@ -187,28 +187,22 @@ def test_an_image_text_config_fills_what_its_text_config_leaves_out_as_transform
         ModelConfig.from_hf_dict(bad)
 
 
-def test_the_plan_runs_xla_norms_and_scans_windows_in_xla_attention():
+def test_the_plan_runs_xla_norms_and_gives_each_layer_its_window_scanned_or_not():
     h200 = dict(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0")
-    mesh = {"data": 1, "fsdp": 1, "tensor": 1}
+    one, two = ({"data": n, "fsdp": 1, "tensor": 1} for n in (1, 2))
     cfg = preset("gemma-3-1b")
     spec = ModelSpec(model="gemma-3-1b", from_scratch=True, matmul_dtype="bfloat16")
-    plan = make_plan(cfg, spec, mesh_shape=mesh, **h200)
-    # Norms of (1 + w) in fp32: XLA's, not the Pallas kernel's (weight multiplied in bf16).
-    assert (plan.kernels["rms_norm"], plan.attention) == ("xla", "xla")
-    unrolled = dataclasses.replace(spec, scan_layers=False)
-    # Unrolled, each layer its window: ours on one Hopper GPU (measured faster at head dim
-    # 256), cuDNN's on several.
-    assert make_plan(cfg, unrolled, mesh_shape=mesh, **h200).attention == "mosaic"
-    two = {"data": 2, "fsdp": 1, "tensor": 1}
-    assert make_plan(cfg, unrolled, mesh_shape=two, **h200).attention == "cudnn"
-    cudnn = dataclasses.replace(spec, attention="cudnn")
-    with pytest.raises(ModelConfigError, match="--attention=cudnn with --scan_layers"):
-        make_plan(cfg, cudnn, mesh_shape=mesh, **h200)
-    # Mistral's one window for every layer scans in cuDNN as it is.
-    mistral = dataclasses.replace(
-        preset("tiny"), architecture="MistralForCausalLM", sliding_window=64
-    )
-    assert make_plan(mistral, cudnn, mesh_shape=mesh, **h200).attention == "cudnn"
+    for scan_layers in (True, False):
+        spec = dataclasses.replace(spec, scan_layers=scan_layers)
+        plan = make_plan(cfg, spec, mesh_shape=one, **h200)
+        # Norms of (1 + w) in fp32: XLA's, not the Pallas kernel's (weight multiplied in bf16).
+        assert plan.kernels["rms_norm"] == "xla"
+        # Scanned in groups of five local layers and a global one, or unrolled, each layer has
+        # its window: ours on one Hopper GPU (measured faster at head dim 256), cuDNN's on two.
+        assert plan.attention == "mosaic"
+        assert make_plan(cfg, spec, mesh_shape=two, **h200).attention == "cudnn"
+        cudnn = dataclasses.replace(spec, attention="cudnn")
+        assert make_plan(cfg, cudnn, mesh_shape=one, **h200).attention == "cudnn"
 
 
 def test_the_extra_norms_split_like_the_others():

@@ -11,10 +11,12 @@ from flax import nnx
 
 from jaxllmq.model import gemma
 from jaxllmq.model.architecture import PRESETS, ModelConfig, ModelConfigError, RopeScaling, preset
+from jaxllmq.model.families import FULL, SLIDING
 from jaxllmq.model.llama import (
     Llama,
     abstract_model,
     gated_activation,
+    kinds_period,
     matmul_heads,
     params_of,
 )
@@ -241,3 +243,42 @@ def test_matmul_heads_has_autodiffs_gradients(dtype):
     np.testing.assert_array_equal(ours[0], theirs[0])
     for a, b in zip(ours[1](g), theirs[1](g), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_kinds_period_is_the_shortest_repeat():
+    local, glob = (512, True), (None, False)
+    assert kinds_period([glob] * 4) == 1
+    assert kinds_period(([local] * 5 + [glob]) * 4 + [local] * 2) == 6  # Gemma 3 1B's 26
+    assert kinds_period([glob, local, local]) == 3  # Qwen2's max_window_layers: no repeat
+
+
+def test_scanned_groups_of_layer_kinds_match_unrolled_layers(capsys):
+    # Windowed and full layers alternate: scanned in two groups of two and one layer after them,
+    # each with its static window. The same loss and gradients as unrolled, and no copy of any
+    # layer's weights kept for the backward (the gate's [256, 768] in no stacked residual).
+    cfg = dataclasses.replace(
+        preset("tiny"),
+        num_hidden_layers=5,
+        vocab_size=256,
+        sliding_window=8,
+        layer_types=(SLIDING, FULL) * 2 + (SLIDING,),
+    )
+    params = params_of(Llama(cfg, rngs=nnx.Rngs(0)))
+    tokens = np.asarray(jax.random.randint(jax.random.key(1), (2, 25), 0, 256))
+    results = []
+    for scan in (True, False):
+        graphdef, _, _ = abstract_model(cfg, scan_layers=scan, attention="xla")
+
+        def loss(p, graphdef=graphdef):
+            logp = jax.nn.log_softmax(nnx.merge(graphdef, p).logits(tokens[:, :-1]))
+            return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+
+        results.append(jax.jit(jax.value_and_grad(loss))(params))
+        if scan:
+            jax.ad_checkpoint.print_saved_residuals(loss, params)
+    (l0, g0), (l1, g1) = results
+    np.testing.assert_allclose(l0, l1, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    stacked = [line for line in capsys.readouterr().out.splitlines() if "output of scan" in line]
+    assert stacked and not [line for line in stacked if "256,768]" in line]

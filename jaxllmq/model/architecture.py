@@ -123,11 +123,6 @@ class ModelConfig:
             return (self.sliding_window,) * self.num_hidden_layers
         return tuple(self.sliding_window if t == SLIDING else None for t in self.layer_types)
 
-    @property
-    def mixed_windows(self) -> bool:
-        """Whether the layers differ in their windows (a scan over them gives each its own)."""
-        return len(set(self.layer_windows())) > 1
-
     def layer_local_rope(self) -> tuple[bool, ...]:
         """Whether each layer ropes with rope_local_base_freq (Gemma 3's sliding layers)."""
         return tuple(self.is_gemma and w is not None for w in self.layer_windows())

@@ -69,7 +69,7 @@ def documents_for(implementation: str, segment_ids_BxT: jax.Array, per_window: i
     return Documents(mask_Bx1xTxT=same_document(segment_ids_BxT))
 
 
-def keys_within(seq_len: int, window: int | jax.Array) -> jax.Array:
+def keys_within(seq_len: int, window: int) -> jax.Array:
     """bool[T, T]: key j is within the sliding window of query i (i - window < j)."""
     return jnp.arange(seq_len) > jnp.arange(seq_len)[:, None] - window
 
@@ -80,7 +80,7 @@ def attend_documents(
     v_BxTxKxH: jax.Array,
     documents: Documents,
     *,
-    window: int | jax.Array | None = None,
+    window: int | None = None,
     scale: float | None = None,
     mesh: Mesh | None = None,
     deterministic: bool = False,
@@ -88,8 +88,8 @@ def attend_documents(
 ) -> jax.Array:
     """Causal GQA attention within each document: by XLA's mask, cuDNN's packed layout or our
     kernel (per device of `mesh`, if given; `deterministic` and `checkpoint_as` as
-    flash_attention's); each query also within its sliding `window` if one is given (an int,
-    or under XLA a traced scalar), the logits scaled by `scale` (default 1/sqrt(H))."""
+    flash_attention's); each query also within its sliding `window` if one is given, the logits
+    scaled by `scale` (default 1/sqrt(H))."""
     T, H = q_BxTxNxH.shape[1], q_BxTxNxH.shape[-1]
     if documents.segment_ids_BxT is not None:
         seg = documents.segment_ids_BxT
@@ -202,13 +202,11 @@ def resolve_attention(
     *,
     platform: str | None = None,
     deterministic: bool = False,
-    per_layer_windows: bool = False,
     mosaic: bool = False,
     mosaic_faster: bool = False,
 ) -> str:
     """'auto' -> cuDNN's fused attention on GPU (`platform`, default jax's backend) in bf16/fp16,
-    XLA's otherwise, and XLA's with `per_layer_windows` (layers of several sliding windows
-    scanned: that mask runs in XLA's attention only). Where jaxllmq's flash attention ("mosaic")
+    XLA's otherwise. Where jaxllmq's flash attention ("mosaic")
     can run (`mosaic`: a Hopper GPU, its head dims) and was measured faster (`mosaic_faster`:
     packed documents, 0.5-0.7x the time of cuDNN's 32 segments at the 1B's heads, with no limit
     on documents a window and less memory; causal attention at head dims 64, 128 and 256;
@@ -222,7 +220,7 @@ def resolve_attention(
     if attention != "auto":
         return attention
     on_gpu = (platform or jax.default_backend()) in ("gpu", "cuda")
-    fused = on_gpu and not per_layer_windows and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    fused = on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
     if not fused:
         return "xla"
     if mosaic and (mosaic_faster or deterministic):
@@ -238,7 +236,7 @@ def attend(
     *,
     implementation: str,
     documents: Documents | None = None,
-    window: int | jax.Array | None = None,
+    window: int | None = None,
     scale: float | None = None,
     mesh: Mesh | None = None,
     deterministic: bool = False,
@@ -249,18 +247,13 @@ def attend(
 
     `documents` (attention.documents_for `implementation`): each query also reads only its own
     document's keys. `window`: the query at position p reads keys p - window < j <= p only
-    (transformers' sliding window); an int, or a traced scalar (a scan over layers of several
-    windows; llama.ALL_KEYS: no window) that only XLA's attention takes, as a mask. `scale`: the
-    logits' (default 1/sqrt(H)). `mesh`: our flash attention ("mosaic") runs per device of it
-    (None: one call over the whole batch), and with `deterministic` its gradients are
-    bit-identical from run to run (at head dim 64 a little slower). With one layer's cache the
-    queries are at positions cache.length.., and each reads the cached keys up to its own
-    position. `checkpoint_as` (without a cache): a jax.ad_checkpoint name for the output and,
+    (transformers' sliding window). `scale`: the logits' (default 1/sqrt(H)). `mesh`: our flash
+    attention ("mosaic") runs per device of it (None: one call over the whole batch), and with
+    `deterministic` its gradients are bit-identical from run to run (at head dim 64 a little
+    slower). With one layer's cache the queries are at positions cache.length.., and each reads
+    the cached keys up to its own position. `checkpoint_as` (without a cache): a jax.ad_checkpoint name for the output and,
     under ours and cuDNN's, for the logsumexp their backward keeps too, so that a recompute
     policy saving the name does not run their forward again."""
-    traced = window is not None and not isinstance(window, int)
-    if traced and implementation != "xla":
-        raise ValueError(f"a per-layer window needs XLA's attention, not {implementation!r}")
     if implementation == "mosaic" and cache is None and documents is None:
         o = _mosaic(
             q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, None, window, scale, mesh, deterministic, checkpoint_as
@@ -282,13 +275,11 @@ def attend(
         )
         return o_BxTxNxH, cache
     if cache is None:
-        mask = keys_within(q_BxTxNxH.shape[1], window)[None, None] if traced else None
         fused = functools.partial(
             jax.nn.dot_product_attention,
-            mask=mask,
             scale=scale,
             is_causal=True,
-            local_window_size=None if window is None or traced else (window - 1, 0),
+            local_window_size=None if window is None else (window - 1, 0),
             implementation=implementation,
         )
         if implementation == "cudnn":

@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
@@ -31,8 +30,11 @@ from jaxllmq.model.qkv_grads import can_fuse_qkv_grads, shared_input_matmuls
 from jaxllmq.model.recompute import ATT, FFN, NORM, QKV, RESID, SWIGLU, Recompute
 from jaxllmq.model.rotary import apply_rope, rope_cos_sin
 
-# A traced per-layer window (layers of several windows under scan) that reads every earlier key.
-ALL_KEYS = int(np.iinfo(np.int32).max)
+
+def kinds_period(kinds: list) -> int:
+    """The shortest p for which layer i is of layer i % p's kind, for every layer."""
+    n = len(kinds)
+    return next(p for p in range(1, n + 1) if all(kinds[i] == kinds[i % p] for i in range(n)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -148,7 +150,7 @@ def decoder_layer(
     fuse_qkv_grads: bool = False,
     cache: KVCache | None = None,
     documents: Documents | None = None,
-    window: int | jax.Array | None = None,
+    window: int | None = None,
     attention_mesh: Mesh | None = None,
     deterministic_attention: bool = False,
 ) -> tuple[jax.Array, KVCache | None]:
@@ -276,9 +278,7 @@ class Llama(nnx.Module):
         self.fuse_qkv_grads = fuse_qkv_grads and can_fuse_qkv_grads(linear_dtype)
         fp8.linear_fn(linear_dtype, gradient_dtype)  # unknown names fail here, not in a trace
         self.scan_layers = scan_layers
-        self.attention = resolve_attention(
-            attention, dtype, per_layer_windows=scan_layers and cfg.mixed_windows
-        )
+        self.attention = resolve_attention(attention, dtype)
         # Packed documents kept apart in a window (attention.documents_for), if segment ids come.
         self.documents_per_window = documents_per_window
         # The mesh that jaxllmq's flash attention runs on per device (attend's `mesh`), or None.
@@ -356,14 +356,8 @@ class Llama(nnx.Module):
         x_BxTxD = self.constrain(self.embed(tokens_BxT))
 
         def layer(x, p, amax, cache, window, local):
-            """One layer; `window` and `local` (Gemma's local RoPE) static, or traced in a scan
-            over layers of several kinds (the window then ALL_KEYS for a global layer)."""
-            if isinstance(local, bool) or len(ropes) == 1:
-                cos, sin = ropes[local is True]
-            else:
-                cos, sin = (
-                    jnp.where(local, a, b) for a, b in zip(ropes[True], ropes[False], strict=True)
-                )
+            """One layer, its `window` and `local` (Gemma's local RoPE) its kind's."""
+            cos, sin = ropes[local]
             if amax is None:
                 linear = fp8.linear_fn(self.linear_dtype, self.gradient_dtype, self.fp8_quantizer)
             else:
@@ -390,23 +384,51 @@ class Llama(nnx.Module):
             )
             return self.constrain(x), cache
 
-        wrap = functools.partial(self.recompute.wrap, scanned=self.scan_layers)
         kinds = list(zip(cfg.layer_windows(), cfg.layer_local_rope(), strict=True))
         stacked = self.layers.arrays()
-        if self.scan_layers and not cfg.mixed_windows:
-            scanned = wrap(functools.partial(layer, window=kinds[0][0], local=kinds[0][1]))
+        period = kinds_period(kinds)
+        if self.scan_layers and period == 1:
+            scanned = self.recompute.wrap(
+                functools.partial(layer, window=kinds[0][0], local=kinds[0][1]), scanned=True
+            )
             x_BxTxD, cache = jax.lax.scan(
                 lambda x, pac: scanned(x, *pac), x_BxTxD, (stacked, fp8_amax, cache)
             )
-        elif self.scan_layers:  # each layer's window and RoPE kind scanned with its weights
-            windows = jnp.array([w or ALL_KEYS for w, _ in kinds])
-            local = jnp.array([lo for _, lo in kinds])
-            x_BxTxD, cache = jax.lax.scan(
-                lambda x, pack: wrap(layer)(x, *pack),
-                x_BxTxD,
-                (stacked, fp8_amax, cache, windows, local),
+        elif self.scan_layers:
+            # Layers of several kinds (Gemma 3: five local, then one global) scan in groups of
+            # their period, each layer of a group with its kind's static window, so that any
+            # attention runs them; the layers past the last whole group run unrolled after it.
+            groups = len(kinds) // period
+
+            def group(x, pac_PxL):
+                caches = []
+                for j, (w, lo) in enumerate(kinds[:period]):
+                    # The layer's slice of its group's arrays is taken inside its policy, which
+                    # leaves it to the backward: outside, the scan would stack each as a copy.
+                    def one(x, pac_PxL, j=j, w=w, lo=lo):
+                        return layer(x, *jax.tree.map(operator.itemgetter(j), pac_PxL), w, lo)
+
+                    x, layer_cache = self.recompute.wrap(one, scanned=True)(x, pac_PxL)
+                    caches.append(layer_cache)
+                return x, jax.tree.map(lambda *c: jnp.stack(c), *caches)
+
+            whole = jax.tree.map(
+                lambda a: a[: groups * period].reshape(groups, period, *a.shape[1:]),
+                (stacked, fp8_amax, cache),
             )
+            x_BxTxD, cache_GxP = jax.lax.scan(group, x_BxTxD, whole)
+            layer_caches = [jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), cache_GxP)]
+            for i in range(groups * period, len(kinds)):
+                p, amax, layer_cache = jax.tree.map(
+                    operator.itemgetter(i), (stacked, fp8_amax, cache)
+                )
+                x_BxTxD, layer_cache = self.recompute.wrap(
+                    functools.partial(layer, window=kinds[i][0], local=kinds[i][1]), scanned=False
+                )(x_BxTxD, p, amax, layer_cache)
+                layer_caches.append(jax.tree.map(lambda c: c[None], layer_cache))
+            cache = jax.tree.map(lambda *c: jnp.concatenate(c), *layer_caches)
         else:
+            wrap = functools.partial(self.recompute.wrap, scanned=False)
             # One split per stacked weight rather than an index per layer: the split's gradient
             # is one concatenate of the layers' gradients, where L indexes transpose into L pads
             # summed (on the 1B step's H200 profile, fusions at about 1 TB/s, about 4 ms).
