@@ -151,7 +151,7 @@ def test_a_packed_window_computes_each_document_alone(scan_layers, recompute):
 
 
 # Windows of 5 keys, shorter than the documents of 7 and 20 tokens: Mistral's on every layer
-# (a static window), Gemma 3's on its local layer (scanned: a per-layer mask).
+# (a static window), Gemma 3's on its local layer (scanned: in a group of the two kinds).
 WINDOWED = {
     "mistral": dataclasses.replace(CFG, architecture="MistralForCausalLM", sliding_window=5),
     "gemma3": dataclasses.replace(

@@ -27,8 +27,8 @@ EOS = "<eos>"
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
 
-# Gemma 3's local layers' window (8) is shorter than the decoded sequences: scanned, a per-layer
-# mask; unrolled, each layer's own window.
+# Gemma 3's local layers' window (8) is shorter than the decoded sequences: scanned in groups
+# of its layer kinds or unrolled, each layer with its own window.
 BUILDERS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "gemma3": tiny_gemma3}
 
 
