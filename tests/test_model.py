@@ -11,15 +11,9 @@ from flax import nnx
 
 from jaxllmq.model import gemma
 from jaxllmq.model.architecture import PRESETS, ModelConfig, ModelConfigError, RopeScaling, preset
+from jaxllmq.model.custom_vjps import gated_activation, matmul_heads
 from jaxllmq.model.families import FULL, SLIDING
-from jaxllmq.model.llama import (
-    Llama,
-    abstract_model,
-    gated_activation,
-    kinds_period,
-    matmul_heads,
-    params_of,
-)
+from jaxllmq.model.llama import Llama, abstract_model, kinds_period, params_of
 
 REAL_COUNTS = {
     "llama-3.2-1b": 1_235_814_400,

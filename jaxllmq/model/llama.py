@@ -25,6 +25,7 @@ from jaxllmq.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_tee
 from jaxllmq.model import fp8, fp8_delayed, gemma
 from jaxllmq.model.architecture import ModelConfig
 from jaxllmq.model.attention import Documents, attend, documents_for, resolve_attention
+from jaxllmq.model.custom_vjps import gated_activation, matmul_heads
 from jaxllmq.model.kv_cache import KVCache
 from jaxllmq.model.qkv_grads import can_fuse_qkv_grads, shared_input_matmuls
 from jaxllmq.model.recompute import ATT, FFN, NORM, QKV, RESID, SWIGLU, Recompute
@@ -35,54 +36,6 @@ def kinds_period(kinds: list) -> int:
     """The shortest p for which layer i is of layer i % p's kind, for every layer."""
     n = len(kinds)
     return next(p for p in range(1, n + 1) if all(kinds[i] == kinds[i % p] for i in range(n)))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def gated_activation(act: Callable, gate_BxTxF: jax.Array, up_BxTxF: jax.Array) -> jax.Array:
-    """act(gate) * up, the MLP's gated activation. Its backward keeps only gate and up and
-    recomputes act from gate: autodiff of silu keeps three more [B, T, F] arrays, which XLA
-    fuses away between unrolled layers but a scan over layers must stack for every layer (the
-    1B at 8 x 2048: 4 GiB each)."""
-    return act(gate_BxTxF) * up_BxTxF
-
-
-def _gated_activation_forward(act, gate_BxTxF, up_BxTxF):
-    return act(gate_BxTxF) * up_BxTxF, (gate_BxTxF, up_BxTxF)
-
-
-def _gated_activation_backward(act, saved, g_BxTxF):
-    gate_BxTxF, up_BxTxF = saved
-    act_BxTxF, act_vjp = jax.vjp(act, gate_BxTxF)
-    (d_gate_BxTxF,) = act_vjp(g_BxTxF * up_BxTxF)
-    return d_gate_BxTxF, act_BxTxF * g_BxTxF
-
-
-gated_activation.defvjp(_gated_activation_forward, _gated_activation_backward)
-
-
-@jax.custom_vjp
-def matmul_heads(o_BxTxNxH: jax.Array, w_NHxD: jax.Array) -> jax.Array:
-    """o's heads side by side @ w: the o projection. Its backward keeps o as the attention
-    gave it, the array the attention's own backward keeps, where autodiff would keep the
-    side-by-side reshape: under a scan over layers that is a second copy of o stacked for every
-    layer (the 1B at 8 x 2048: 1 GiB)."""
-    B, T, N, H = o_BxTxNxH.shape
-    return o_BxTxNxH.reshape(B, T, N * H) @ w_NHxD
-
-
-def _matmul_heads_forward(o_BxTxNxH, w_NHxD):
-    return matmul_heads(o_BxTxNxH, w_NHxD), (o_BxTxNxH, w_NHxD)
-
-
-def _matmul_heads_backward(saved, g_BxTxD):
-    o_BxTxNxH, w_NHxD = saved
-    B, T, N, H = o_BxTxNxH.shape
-    _, matmul_vjp = jax.vjp(jnp.matmul, o_BxTxNxH.reshape(B, T, N * H), w_NHxD)
-    d_o_BxTxNH, d_w_NHxD = matmul_vjp(g_BxTxD)
-    return d_o_BxTxNH.reshape(B, T, N, H), d_w_NHxD
-
-
-matmul_heads.defvjp(_matmul_heads_forward, _matmul_heads_backward)
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> jax.Array:
