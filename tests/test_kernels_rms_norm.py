@@ -14,6 +14,7 @@ from jaxllmq.kernels.rms_norm import (
     rms_norm_reference,
     rms_norm_tee,
 )
+from jaxllmq.model import gemma
 
 
 def _seed() -> int:
@@ -206,3 +207,23 @@ def test_resolve_impl():
         resolve_impl("auto", "softmax")
     with pytest.raises(ValueError, match="unknown impl"):
         rms_norm(jnp.ones((2, 4)), jnp.ones(4), 1e-6, impl="cuda")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_xlas_norms_keep_only_their_inputs_with_autodiffs_gradients(dtype):
+    # "xla" and Gemma's norm run autodiff of the reference again in their backward (which keeps
+    # only x and the weight): the same bits as autodiff of it.
+    keys = jax.random.split(jax.random.key(0), 3)
+    x, g = (jax.random.normal(k, (4, 64), jnp.float32).astype(dtype) for k in keys[:2])
+    w = (1 + 0.1 * jax.random.normal(keys[2], (64,), jnp.float32)).astype(dtype)
+    for ours, theirs in [
+        (
+            lambda x, w: rms_norm(x, w, 1e-6, impl="xla"),
+            lambda x, w: rms_norm_reference(x, w, 1e-6),
+        ),
+        (lambda x, w: gemma.rms_norm(x, w, 1e-6), lambda x, w: gemma._rms_norm(x, w, 1e-6)),
+    ]:
+        (y0, vjp0), (y1, vjp1) = jax.vjp(ours, x, w), jax.vjp(theirs, x, w)
+        np.testing.assert_array_equal(y0, y1)
+        for a, b in zip(vjp0(g), vjp1(g), strict=True):
+            np.testing.assert_array_equal(a, b)

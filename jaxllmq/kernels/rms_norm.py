@@ -15,6 +15,7 @@ A Pallas call has no SPMD partitioning rule: under a multi-device mesh call it i
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,25 @@ def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array
     inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     # As transformers does: normalize in fp32, cast to the input dtype, then scale by the weight.
     return (x32 * inv).astype(x.dtype) * weight.astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def keeping_inputs(norm: Callable, x: jax.Array, weight: jax.Array) -> jax.Array:
+    """norm(x, weight), an XLA RMSNorm, whose backward keeps only x and weight and runs autodiff
+    of `norm` on them (the same arithmetic): autodiff alone keeps the norm's fp32 rows, which
+    XLA fuses away between unrolled layers but a scan over layers stacks for every layer."""
+    return norm(x, weight)
+
+
+def _keeping_inputs_forward(norm, x, weight):
+    return norm(x, weight), (x, weight)
+
+
+def _keeping_inputs_backward(norm, saved, g):
+    return jax.vjp(norm, *saved)[1](g)
+
+
+keeping_inputs.defvjp(_keeping_inputs_forward, _keeping_inputs_backward)
 
 
 def add_rms_norm_reference(
@@ -250,7 +270,7 @@ def rms_norm(
 ) -> jax.Array:
     """RMSNorm through the chosen implementation ("xla" or "pallas")."""
     if impl == "xla":
-        return rms_norm_reference(x, weight, eps)
+        return keeping_inputs(functools.partial(rms_norm_reference, eps=eps), x, weight)
     if impl == "pallas":
         x2 = x.reshape(-1, x.shape[-1])
         y2 = _rms_norm_pallas(x2, weight, float(eps), _config(config, interpret))
@@ -270,7 +290,7 @@ def rms_norm_tee(
     """(rms_norm(x), x): use the second for x's other uses (the residual stream), so that under
     "pallas" their gradient is added in the norm's backward kernel."""
     if impl == "xla":
-        return rms_norm_reference(x, weight, eps), x
+        return rms_norm(x, weight, eps), x
     if impl == "pallas":
         d = x.shape[-1]
         y2, x2 = _rms_norm_tee_pallas(
@@ -292,7 +312,8 @@ def add_rms_norm(
 ) -> tuple[jax.Array, jax.Array]:
     """(rms_norm(x + residual), x + residual) through the chosen implementation."""
     if impl == "xla":
-        return add_rms_norm_reference(x, residual, weight, eps)
+        s = x + residual
+        return rms_norm(s, weight, eps), s
     if impl == "pallas":
         if residual.shape != x.shape or residual.dtype != x.dtype:
             raise ValueError(
