@@ -127,7 +127,7 @@ def test_scanned_layers_keep_the_attention_output_once(capsys):
 def test_scanned_layers_keep_no_fp32_copies_of_their_activations(capsys):
     # XLA's RMSNorm computes its statistics from an fp32 copy of its bf16 input. Autodiff kept
     # that copy for the backward, which a scan stacked for every layer (2 GiB of the 1B's peak
-    # at 8 x 2048 with --kernels=xla); the scanned policy has the backward make it again.
+    # at 8 x 2048 with --kernels=xla); rms_norm.keeping_inputs keeps the bf16 input instead.
     loss, params = _tiny_with_our_attention()
     jax.ad_checkpoint.print_saved_residuals(loss, params)
     stacked = [line for line in capsys.readouterr().out.splitlines() if "output of scan" in line]

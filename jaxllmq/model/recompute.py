@@ -76,9 +76,9 @@ class Recompute(Settings):
         if unrolled; if `scanned`, under a policy that keeps everything but copies
         (_all_but_copies): each layer's weights as its sharding constraint gives them (a new
         array even where the constraint moves nothing; under ZeRO-3, gathered whole), slices,
-        fp32 copies. A scan stacked them for the backward pass, a copy of every layer's weights
-        (5.25 GiB of Qwen3 1.7B's peak in bf16 at 2 x 8192) and, with XLA's RMSNorm, an fp32
-        copy of each norm's input; the backward now makes them again."""
+        fp8 copies. A scan stacked them for the backward pass, a copy of every layer's weights
+        (5.25 GiB of Qwen3 1.7B's peak in bf16 at 2 x 8192); the backward now makes them
+        again."""
         if self.offload_residual:
             kept = [] if self.block else [n for n in SAVED if n not in self.names() and n != RESID]
             policy = jax.checkpoint_policies.save_and_offload_only_these_names(
@@ -103,11 +103,9 @@ class Recompute(Settings):
 def _all_but_copies(primitive, *_, **params) -> bool:
     """A jax.checkpoint policy: everything may be saved but copies the backward makes again from
     what they copy: what a sharding constraint makes, slices (a layer's weights taken from its
-    group's, in a scan over groups of layers), fp32 copies of narrower arrays (XLA's RMSNorm's
-    statistics' input; made again from half the bytes) and one-byte ones (fp8 linears'
-    quantized operands: saved under this policy, the gradients came out non-finite, on CPU
-    with jax 0.10; quantized again in the backward, they train as without the policy)."""
+    group's, in a scan over groups of layers), and one-byte copies (fp8 linears' quantized
+    operands: saved under this policy, the gradients came out non-finite, on CPU with jax 0.10;
+    quantized again in the backward, they train as without the policy)."""
     if primitive.name == "convert_element_type":
-        copy = jnp.dtype(params["new_dtype"])
-        return copy != jnp.float32 and copy.itemsize > 1
+        return jnp.dtype(params["new_dtype"]).itemsize > 1
     return primitive.name not in ("sharding_constraint", "slice", "squeeze")
