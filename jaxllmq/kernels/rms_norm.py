@@ -1,7 +1,8 @@
 """RMSNorm: y = x / sqrt(mean(x^2) + eps) * weight, statistics in fp32.
 
-Two implementations behind one interface: "xla" (the pure-JAX reference, fused by XLA) and
-"pallas" (one forward and one backward kernel, wrapped in a custom_vjp). The Pallas forward reads
+Two implementations behind one interface: "xla" (the pure-JAX reference, fused by XLA, its
+backward keeping only its inputs: keeping_inputs) and "pallas" (one forward and one backward
+kernel, wrapped in a custom_vjp). The Pallas forward reads
 x once and writes y once; the backward reads x and dy once, writes dx once, and recomputes the
 row statistics instead of saving them (a reduction over a row already in registers is free next
 to the memory traffic). `add_rms_norm` fuses the residual add that precedes every norm in the
