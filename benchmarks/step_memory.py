@@ -42,7 +42,8 @@ def step_memory(model_cfg, spec, optim, data, zero_level: int, mesh) -> dict:
         return built["steps"].state
 
     shapes = jax.eval_shape(state)
-    batch = bench.local_synthetic_batch(model_cfg, data, batch_rows(mesh, data.batch_size), 0)
+    rows = batch_rows(mesh, data.batch_size)  # --batch_size per data and fsdp device
+    batch = bench.local_synthetic_batch(model_cfg, data, rows, seed=0)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     # The abstract mesh names the GPU that Pallas' Triton lowering compiles for.
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), _pallas.lowering_for_gpu():
