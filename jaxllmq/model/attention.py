@@ -251,9 +251,10 @@ def attend(
     attention ("mosaic") runs per device of it (None: one call over the whole batch), and with
     `deterministic` its gradients are bit-identical from run to run (at head dim 64 a little
     slower). With one layer's cache the queries are at positions cache.length.., and each reads
-    the cached keys up to its own position. `checkpoint_as` (without a cache): a jax.ad_checkpoint name for the output and,
-    under ours and cuDNN's, for the logsumexp their backward keeps too, so that a recompute
-    policy saving the name does not run their forward again."""
+    the cached keys up to its own position. `checkpoint_as` (without a cache): a
+    jax.ad_checkpoint name for the output and, under ours and cuDNN's, for the logsumexp their
+    backward keeps too, so that a recompute policy saving the name does not run their forward
+    again."""
     if implementation == "mosaic" and cache is None and documents is None:
         o = _mosaic(
             q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, None, window, scale, mesh, deterministic, checkpoint_as
