@@ -178,6 +178,7 @@ def lm_sweep(d, v):
     """Time the fused kernel alone (with q, one chunk) per tile config; return the fastest."""
     n = ARGS.lm_sweep_tokens
     h, w, t, _ = lm_inputs(n, d, v, seed=2)
+    r = jnp.zeros((n,), jnp.float32)  # q's reference: any value times the same
     best = (float("inf"), None)
     for bm, bv, bk, nw, ns in ARGS.lm_configs:
         cfg = LmHeadPallasConfig(
@@ -185,8 +186,8 @@ def lm_sweep(d, v):
         )
         kcfg = dataclasses.replace(cfg, interpret=jax.default_backend() == "cpu")
         try:
-            c, *_ = compile_(lambda h, w, t, c=kcfg: lm_head_tiles(h, w, t, c, True), (h, w, t))
-            med = timed(c, (h, w, t), iters=ARGS.iters_big, batch=3)
+            c, *_ = compile_(lambda h, w, t, r, c=kcfg: lm_head_tiles(h, w, t, c, r), (h, w, t, r))
+            med = timed(c, (h, w, t, r), iters=ARGS.iters_big, batch=3)
         except Exception as e:
             log(section="lm_sweep", config=[bm, bv, bk, nw, ns], error=str(e)[:800])
             continue
@@ -201,6 +202,7 @@ def lm_mosaic_sweep(d, v):
     """Time the Mosaic GPU kernel alone (with q, one chunk) per tile config; return the fastest."""
     n = ARGS.lm_sweep_tokens
     h, w, _, _ = lm_inputs(n, d, v, seed=2)
+    r = jnp.zeros((n,), jnp.float32)  # q's reference: any value times the same
     cpu = jax.default_backend() == "cpu"
     best = (float("inf"), None)
     for tm, tn, tk, stages, cm, sem in ARGS.lmm_configs:
@@ -209,9 +211,9 @@ def lm_mosaic_sweep(d, v):
         )
         try:
             c, *_ = compile_(
-                lambda h, w, t=tiles: lm_head_mgpu.lm_head_tiles(h, w, t, True, cpu), (h, w)
+                lambda h, w, r, t=tiles: lm_head_mgpu.lm_head_tiles(h, w, t, r, cpu), (h, w, r)
             )
-            med = timed(c, (h, w), iters=ARGS.iters_big, batch=3)
+            med = timed(c, (h, w, r), iters=ARGS.iters_big, batch=3)
         except Exception as e:
             log(section="lmm_sweep", config=[tm, tn, tk, stages, cm, sem], error=str(e)[:800])
             continue

@@ -107,6 +107,24 @@ def test_lm_head_loss_matches_reference(kw, dtype, n, d, v, z_loss):
     assert np.all(np.any(dh[np.asarray(m)] != 0, axis=1)), f"seed {seed}"
 
 
+@pytest.mark.parametrize("kw", IMPLS[2:])
+@pytest.mark.parametrize("loss", [70.0, 200.0])
+def test_tokens_past_qs_range_get_the_exact_gradient(kw, loss):
+    """A token whose loss is past REFERENCE_RANGE (q relative to its target logit would leave
+    the float range; past 88 it is inf) takes its chunk's kernel again, relative to its
+    logsumexp: the gradient still matches the reference, finite."""
+    seed = _seed()
+    h, w, t, m = _inputs(100, 128, 512, jnp.bfloat16, seed, keep=1.0)
+    logits = h.astype(jnp.float32) @ w.astype(jnp.float32)
+    # Token 5's logits stretched until its least likely target costs `loss`.
+    spread = logits[5].max() - logits[5].min()
+    h = h.at[5].multiply((loss / spread).astype(h.dtype))
+    t = t.at[5].set(jnp.argmin(logits[5]))
+    got = _value_and_grad(0.0, **kw)(h, w, t, m)
+    assert np.all(np.isfinite(np.asarray(got[1][0], np.float32))), seed
+    _check(got, _referee(h, w, t, m, 0.0), jnp.bfloat16, seed)
+
+
 def test_z_loss_enters_objective_and_gradient():
     """z-loss adds z * sum(mask * lse^2) and changes the gradient; every path agrees."""
     z_loss = 1e-2
@@ -206,7 +224,8 @@ def test_pallas_lowers_to_triton_for_gpu(d, v):
         return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(h, w)
 
     text = jax.jit(step).trace(h, w, t, m).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 1  # one kernel, inside the scan over chunks
+    # The kernel inside the scan over chunks, and again where a token's loss is out of q's range.
+    assert text.count("__gpu$xla.gpu.triton") == 2
 
 
 @pytest.mark.parametrize(
@@ -215,7 +234,7 @@ def test_pallas_lowers_to_triton_for_gpu(d, v):
 )
 def test_mosaic_lowering_fits_the_gpu_at_real_shapes(d, v, kernel):
     """The Hopper kernel lowers for the GPU (its shared memory within an H200 CTA's) at the
-    1B's and 8B's shapes, once, inside the scan over chunks; a vocabulary its tile pairs do not
+    1B's and 8B's shapes, inside the scan over chunks; a vocabulary its tile pairs do not
     divide (qwen2.5's 151,936 = 1,187 x 128) keeps the Triton kernel."""
     n = 8 * 2048
     h, w = jax.ShapeDtypeStruct((n, d), jnp.bfloat16), jax.ShapeDtypeStruct((d, v), jnp.bfloat16)
@@ -229,7 +248,8 @@ def test_mosaic_lowering_fits_the_gpu_at_real_shapes(d, v, kernel):
 
     text = jax.jit(step).trace(h, w, t, m).lower(lowering_platforms=("cuda",)).as_text()
     calls = {"mosaic": "custom_call @mosaic_gpu", "triton": "__gpu$xla.gpu.triton"}
-    assert {k: text.count(c) for k, c in calls.items()} == {k: k == kernel for k in calls}
+    # Twice: a chunk's kernel, and again where a token's loss is out of q's range.
+    assert {k: text.count(c) for k, c in calls.items()} == {k: 2 * (k == kernel) for k in calls}
     # What a run's plan reports (kernel_used; "pallas" is the Triton kernel) is what lowered.
     used = kernel_used("mosaic", d, v, jnp.bfloat16)
     assert used == ("mosaic" if kernel == "mosaic" else "pallas")
@@ -243,23 +263,27 @@ def test_mosaic_tile_options():
 
     seed = _seed()
     h, w, _, _ = _inputs(128, 64, 512, jnp.bfloat16, seed)
+    r = jax.random.normal(jax.random.key(seed + 1), (128,))  # q's reference, any per token
     lane = MosaicTiles(tile_m=64, tile_n=64, tile_k=64, stages=2, ctas=3)
-    want = lm_head_mgpu.lm_head_tiles(h, w, lane, True, True)
+    want = lm_head_mgpu.lm_head_tiles(h, w, lane, r, True)
     wg = dataclasses.replace(lane, semantics="warpgroup")
-    got = lm_head_mgpu.lm_head_tiles(h, w, wg, True, True)
+    got = lm_head_mgpu.lm_head_tiles(h, w, wg, r, True)
     ref = jax.nn.logsumexp(
         (h.astype(jnp.float32) @ w.astype(jnp.float32)).reshape(128, 8, 64), axis=-1
     ).T
     assert _rel(want[0], ref) < 1e-5, seed
+    logits = h.astype(jnp.float32) @ w.astype(jnp.float32)
+    assert _rel(want[1], jnp.exp(logits - r[:, None])) < 1e-2, seed
     for a, b in zip(got, want, strict=True):
         assert _rel(a, b) < 1e-6, seed
 
     n, d, v = 8 * 2048, 2048, 128_256
     hs, ws = jax.ShapeDtypeStruct((n, d), jnp.bfloat16), jax.ShapeDtypeStruct((d, v), jnp.bfloat16)
     pair = MosaicTiles(cluster_m=2)
+    rs = jax.ShapeDtypeStruct((n,), jnp.float32)
     text = (
-        jax.jit(lambda h, w: lm_head_mgpu.lm_head_tiles(h, w, pair, True, False))
-        .trace(hs, ws)
+        jax.jit(lambda h, w, r: lm_head_mgpu.lm_head_tiles(h, w, pair, r, False))
+        .trace(hs, ws, rs)
         .lower(lowering_platforms=("cuda",))
         .as_text()
     )

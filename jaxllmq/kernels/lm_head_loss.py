@@ -112,7 +112,7 @@ def _xla_chunk_stats(h_c, w, t_c):
     return lse, tl
 
 
-def _xla_chunk_grads(h_c, w, t_c, m_c, z_loss):
+def _xla_chunk_grads(h_c, w, t_c, m_c, dw_acc, z_loss):
     logits, lse, tl = _xla_chunk_logits(h_c, w, t_c)
     c = m_c.astype(jnp.float32)
     p = jnp.exp(logits - lse[:, None]) * (c * (1.0 + 2.0 * z_loss * lse))[:, None]
@@ -121,7 +121,7 @@ def _xla_chunk_grads(h_c, w, t_c, m_c, z_loss):
     dlogits = (p - jnp.where(onehot, c[:, None], 0.0)).astype(w.dtype)
     dh = jnp.dot(dlogits, w.T, preferred_element_type=jnp.float32)
     dw = jnp.dot(h_c.T, dlogits, preferred_element_type=jnp.float32)
-    return lse, tl, dh, dw
+    return lse, tl, dh, dw_acc + dw
 
 
 def _stats(h, w, t, plan):
@@ -148,8 +148,8 @@ def _stats_and_grads(h, w, t, m, plan):
         chunk = functools.partial(_xla_chunk_grads, z_loss=plan.z_loss)
 
     def body(dw_acc, xs):
-        lse, tl, dh, dw = chunk(xs[0], w, xs[1], xs[2])
-        return dw_acc + dw, (lse, tl, dh)
+        lse, tl, dh, dw_acc = chunk(xs[0], w, xs[1], xs[2], dw_acc)
+        return dw_acc, (lse, tl, dh)
 
     dw0 = jnp.zeros(w.shape, jnp.float32)
     xs = (_to_chunks(h, plan), _to_chunks(t, plan), _to_chunks(m, plan))

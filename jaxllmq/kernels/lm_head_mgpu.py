@@ -6,8 +6,9 @@ and two compute warpgroups issuing wgmma, each on its own [tile_m, tile_n] half 
 vocabulary tile. The CTAs are persistent (one per SM), each looping over output tiles. On an
 H200 at the 1B's shapes it runs at 649 TFLOP/s with its q, where the Triton lowering's runs at
 536 and cuBLAS's plain GEMMs at 740 (docs/experiments, kernels). The epilogue folds each
-warpgroup's fp32 accumulator into its logsumexp piece and, for the gradient, writes the
-tile-local softmax q in the weight's dtype, both through shared memory and TMA.
+warpgroup's fp32 accumulator into its logsumexp piece and, for the gradient, writes
+q = exp(logits - reference) in the weight's dtype (lm_head_pallas says why), both through shared
+memory and TMA; each tile's token references come in by TMA while its matmul runs.
 
 Shapes must be tile-aligned (tokens by tile_m, vocab by 2 * tile_n, hidden by tile_k) and
 16-bit; the target logit is not picked here (the caller gathers it). On CPU it runs in Mosaic GPU's
@@ -22,6 +23,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
+
+from jaxllmq.kernels.flash_attention import common
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +94,15 @@ def _swizzled(minor: int, dtype) -> tuple:
 
 
 def lm_head_tiles(
-    h_NxD: jax.Array, w_DxV: jax.Array, tiles: MosaicTiles, with_q: bool, interpret: bool
+    h_NxD: jax.Array,
+    w_DxV: jax.Array,
+    tiles: MosaicTiles,
+    reference_N: jax.Array | None,
+    interpret: bool,
 ) -> tuple[jax.Array, ...]:
-    """Per-tile logsumexp [V / tile_n, N] fp32, and with_q the tile softmax q [N, V] in w's
-    dtype (softmax = q * exp(tile_lse - lse)), where the kernel `applies`."""
+    """Per-tile logsumexp [V / tile_n, N] fp32, and with a reference [N] fp32
+    q = exp(logits - reference) [N, V] in w's dtype, where the kernel `applies`."""
+    with_q = reference_N is not None
     n, d = h_NxD.shape
     v = w_DxV.shape[1]
     tm, tn, tk = tiles.tile_m, tiles.tile_n, tiles.tile_k
@@ -132,7 +140,9 @@ def lm_head_tiles(
         plgpu.wgmma_wait(0)
         return acc_ref
 
-    def kernel(h_gmem, w_gmem, lse_gmem, q_gmem, lse_smem, q_smem, allocations):
+    def kernel(h_gmem, w_gmem, r_gmem, lse_gmem, q_gmem, smem, allocations):
+        lse_smem, q_smem, r_smem, r_ready = smem
+
         # Tiles in token-major order: the CTAs running at once share a few vocabulary tiles
         # (read from memory once) and sweep the chunk's h, which stays in L2.
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cta")
@@ -145,8 +155,10 @@ def lm_head_tiles(
             def epilogue(eval_pipeline):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
                 def _(acc_ref):
-                    eval_pipeline(acc_ref)
                     wg = lax.axis_index("wg")
+                    if with_q:  # the tokens' references, in while the matmul runs
+                        plgpu.copy_gmem_to_smem(r_gmem.at[rows], r_smem.at[wg], r_ready.at[wg])
+                    eval_pipeline(acc_ref)
                     logits = acc_ref[...]
                     mx = logits.max(axis=1)
                     e = jnp.exp(logits - lax.broadcast_in_dim(mx, logits.shape, [0]))
@@ -155,7 +167,11 @@ def lm_head_tiles(
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     lse_smem.at[wg][...] = mx + jnp.log(s)
                     if with_q:
-                        q = e * lax.broadcast_in_dim(1.0 / s, logits.shape, [0])
+                        plgpu.barrier_wait(r_ready.at[wg])
+                        # Along the accumulator's rows; the interpreter takes no layout.
+                        r_ref = r_smem.at[wg]
+                        r = r_ref[...] if interpret else common.row(r_ref)
+                        q = e * lax.broadcast_in_dim(jnp.exp(mx - r), logits.shape, [0])
                         q_smem.at[wg][...] = q.astype(dtype)
                     plgpu.commit_smem()
                     tile = 2 * pair + wg
@@ -172,16 +188,19 @@ def lm_head_tiles(
 
         plgpu.wait_smem_to_gmem(0)
 
-    def entry(h_gmem, w_gmem, lse_gmem, q_gmem=None):
+    def entry(h_gmem, w_gmem, *refs):
+        r_gmem, lse_gmem, q_gmem = refs if with_q else (None, refs[0], None)
         ignore = lambda *_, **__: None
         scratch = [
             make_pipeline(ignore, ignore).get_allocations(h_gmem, w_gmem),
             plgpu.SMEM((2, tm), jnp.float32),
             plgpu.SMEM((2, tm, tn), dtype, transforms=_swizzled(tn, dtype)) if with_q else None,
+            plgpu.SMEM((2, tm), jnp.float32) if with_q else None,
+            plgpu.Barrier(num_barriers=2) if with_q else None,
         ]
         pl.run_scoped(
-            lambda allocations, lse_smem, q_smem: kernel(
-                h_gmem, w_gmem, lse_gmem, q_gmem, lse_smem, q_smem, allocations
+            lambda allocations, *smem: kernel(
+                h_gmem, w_gmem, r_gmem, lse_gmem, q_gmem, smem, allocations
             ),
             *scratch,
             collective_axes="wg",
@@ -204,4 +223,4 @@ def lm_head_tiles(
         thread_name="wg",
         interpret=_interpret_params() if interpret else False,
         **options,
-    )(h_NxD, w_DxV)
+    )(h_NxD, w_DxV, *([reference_N.astype(jnp.float32)] if with_q else []))

@@ -8,10 +8,14 @@ in XLA (a logsumexp over vocab tiles). Programs are ordered in groups of `group_
 that sweep the vocabulary together, so those tokens' hidden states stay in L2 while each weight
 tile is read from memory once per group.
 
-For the gradient the kernel can also write q = softmax within the tile (in the weight's dtype):
-the full softmax is q * exp(tile_lse - lse), so the backward's dlogits come from one elementwise
-pass over q instead of recomputing h @ w, and the two backward matmuls (dh = dlogits @ w^T,
-dw = h^T @ dlogits) run on cuBLAS. q is written for one chunk of tokens at a time.
+For the gradient the kernel can also write q = exp(logits - r) (in the weight's dtype) for a
+reference r per token given to it, the token's target logit: the softmax is then q times a
+per-token scale, exp(r - lse), so the two backward matmuls (dh = dlogits @ w^T, dw = h^T @
+dlogits, on cuBLAS) take q itself, the scale applied to h and to dh and the target's -1 written
+into q, with no pass over the [tokens, vocab] values between them. Where a token's target logit
+lies more than REFERENCE_RANGE below its logsumexp (a per-token loss above it), q could
+overflow: that chunk's kernel runs again with the logsumexp as the reference. q is written for
+one chunk of tokens at a time.
 """
 
 import dataclasses
@@ -58,8 +62,8 @@ class LmHeadPallasConfig:
         return self.block_m
 
 
-def _kernel(h_ref, w_ref, t_ref, *out_refs, n_m, n_v, d, v, cfg, with_q):
-    lse_ref, tl_ref = out_refs[:2]
+def _kernel(h_ref, w_ref, t_ref, *refs, n_m, n_v, d, v, cfg, with_q):
+    r_ref, lse_ref, tl_ref, *q_ref = refs if with_q else (None, *refs)
     bm, bv, bk = cfg.block_m, cfg.block_v, cfg.block_k
     # Grouped order: group_m token blocks x all vocab tiles, token block fastest.
     pid = pl.program_id(0)
@@ -103,15 +107,20 @@ def _kernel(h_ref, w_ref, t_ref, *out_refs, n_m, n_v, d, v, cfg, with_q):
     tl = jnp.sum(jnp.where(cols[None, :] == t[:, None], logits, 0.0), axis=1)
     P.store(tl_ref, (rows,), tl, hit)
     if with_q:
-        (q_ref,) = out_refs[2:]
-        q = e * (1.0 / s)[:, None]
-        P.store(q_ref, (rows[:, None], cols[None, :]), q.astype(q_ref.dtype), None)
+        q = e * jnp.exp(mx - P.load(r_ref, (rows,), None))[:, None]  # exp(logits - r)
+        q_mask = P.block_mask(None, col_ok, (bm, bv))
+        P.store(q_ref[0], (rows[:, None], cols[None, :]), q.astype(q_ref[0].dtype), q_mask)
 
 
 def lm_head_tiles(
-    h_NxD: jax.Array, w_DxV: jax.Array, targets_N: jax.Array, cfg: LmHeadPallasConfig, with_q: bool
+    h_NxD: jax.Array,
+    w_DxV: jax.Array,
+    targets_N: jax.Array,
+    cfg: LmHeadPallasConfig,
+    reference_N: jax.Array | None,
 ) -> tuple[jax.Array, ...]:
-    """Per-tile logsumexp [n_v, N] fp32, target logits [N] fp32, and optionally q [N, n_v*block_v].
+    """Per-tile logsumexp [n_v, N] fp32, target logits [N] fp32, and with a reference [N] fp32
+    q = exp(logits - reference) [N, V] in w's dtype.
 
     N must be a multiple of block_m; targets must lie in [0, V).
     """
@@ -121,12 +130,15 @@ def lm_head_tiles(
     if n % bm:
         raise ValueError(f"lm_head_tiles: {n} tokens is not a multiple of block_m={bm}")
     n_m, n_v = n // bm, P.cdiv(v, bv)
+    with_q = reference_N is not None
     outs = [
         jax.ShapeDtypeStruct((n_v, n), jnp.float32),
         jax.ShapeDtypeStruct((n,), jnp.float32),
     ]
+    args = [h_NxD, w_DxV, targets_N.astype(jnp.int32)]
     if with_q:
-        outs.append(jax.ShapeDtypeStruct((n, n_v * bv), w_DxV.dtype))
+        outs.append(jax.ShapeDtypeStruct((n, v), w_DxV.dtype))
+        args.append(reference_N.astype(jnp.float32))
     kernel = functools.partial(_kernel, n_m=n_m, n_v=n_v, d=d, v=v, cfg=cfg, with_q=with_q)
     return P.call(
         kernel,
@@ -136,38 +148,62 @@ def lm_head_tiles(
         num_stages=cfg.num_stages,
         interpret=cfg.interpret,
         name="lm_head_lse_q" if with_q else "lm_head_lse",
-    )(h_NxD, w_DxV, targets_N.astype(jnp.int32))
+    )(*args)
 
 
-def _tiles(h_c, w, t_c, cfg: LmHeadPallasConfig, with_q: bool) -> tuple[jax.Array, ...]:
+def _target_logits(h_c, w, t_c):
+    """Each token's row of h against its target's column of w, fp32."""
+    w_t = jnp.take(w, t_c, axis=1).T
+    return jnp.einsum("nd,nd->n", h_c, w_t, preferred_element_type=jnp.float32)
+
+
+def _tiles(h_c, w, t_c, cfg: LmHeadPallasConfig, reference=None) -> tuple[jax.Array, ...]:
     """lm_head_tiles through the configured lowering: (lse_part, target logit[, q])."""
     if cfg.lowering == "mosaic":
-        lse_part, *q = lm_head_mgpu.lm_head_tiles(h_c, w, cfg.mosaic, with_q, cfg.interpret)
-        # The target logit: each token's row of h against its target's column of w.
-        w_t = jnp.take(w, t_c, axis=1).T
-        tl = jnp.einsum("nd,nd->n", h_c, w_t, preferred_element_type=jnp.float32)
-        return lse_part, tl, *q
-    return lm_head_tiles(h_c, w, t_c, cfg, with_q)
+        lse_part, *q = lm_head_mgpu.lm_head_tiles(h_c, w, cfg.mosaic, reference, cfg.interpret)
+        return lse_part, _target_logits(h_c, w, t_c), *q
+    return lm_head_tiles(h_c, w, t_c, cfg, reference)
 
 
 def chunk_stats(h_c, w, t_c, cfg: LmHeadPallasConfig):
     """(lse, target logit) of one chunk of tokens, no gradient work."""
-    lse_part, tl = _tiles(h_c, w, t_c, cfg, with_q=False)
+    lse_part, tl = _tiles(h_c, w, t_c, cfg)
     return jax.nn.logsumexp(lse_part, axis=0), tl
 
 
-def chunk_grads(h_c, w, t_c, m_c, z_loss: float, cfg: LmHeadPallasConfig):
-    """(lse, target logit, d obj/dh [C, D] fp32, d obj/dw [D, V] fp32) of one chunk."""
-    v = w.shape[1]
-    lse_part, tl, q = _tiles(h_c, w, t_c, cfg, with_q=True)
+# How far below its logsumexp a token's q reference may lie: q = exp(logits - reference) stays
+# within exp(64) (bf16's and fp32's range end near exp(88)), so that the backward matmuls'
+# fp32 sums over the vocabulary cannot overflow either, and a token's softmax entries that
+# matter (within exp(-24) of its largest) stay above exp(-87), where bf16's normal range ends.
+REFERENCE_RANGE = 64.0
+
+
+def chunk_grads(h_c, w, t_c, m_c, dw_acc, z_loss: float, cfg: LmHeadPallasConfig):
+    """(lse, target logit, d obj/dh [C, D] fp32, dw_acc + d obj/dw [D, V] fp32) of one chunk."""
+    reference = _target_logits(h_c, w, t_c)
+    lse_part, tl, q = _tiles(h_c, w, t_c, cfg, reference)
     lse = jax.nn.logsumexp(lse_part, axis=0)
     c = m_c.astype(jnp.float32)
-    # softmax = q * exp(tile_lse - lse); d obj/d logits = m * (softmax * (1 + 2 z lse) - onehot).
-    scale = (c * (1.0 + 2.0 * z_loss * lse))[None, :] * jnp.exp(lse_part - lse[None, :])
-    n_c, n_v = h_c.shape[0], lse_part.shape[0]
-    p = (q.reshape(n_c, n_v, -1) * scale.T[:, :, None]).reshape(n_c, -1)[:, :v]
-    onehot = jnp.arange(v)[None, :] == t_c[:, None]
-    dlogits = (p - jnp.where(onehot, c[:, None], 0.0)).astype(w.dtype)
-    dh = jnp.dot(dlogits, w.T, preferred_element_type=jnp.float32)
-    dw = jnp.dot(h_c.T, dlogits, preferred_element_type=jnp.float32)
-    return lse, tl, dh, dw
+    z_factor = 1.0 + 2.0 * z_loss * lse
+
+    def grads(q, reference):
+        # d obj/d logits = m * (softmax * (1 + 2 z lse) - onehot), softmax = q * exp(reference -
+        # lse): a scale per token times q, with the onehot divided by it added at the target.
+        scale = c * z_factor * jnp.exp(reference - lse)
+        at_target = jnp.where(c != 0, -jnp.exp(lse - reference) / z_factor, 0.0)
+        target = (jnp.arange(q.shape[0]), t_c)
+        q = q.at[target].set((q[target].astype(jnp.float32) + at_target).astype(q.dtype))
+        dh = jnp.dot(q, w.T, preferred_element_type=jnp.float32) * scale[:, None]
+        h_scaled = (h_c.astype(jnp.float32) * scale[:, None]).astype(w.dtype)
+        return dh, dw_acc + jnp.dot(h_scaled.T, q, preferred_element_type=jnp.float32)
+
+    # A token whose loss exceeds the range: the whole chunk again, its q the softmax itself.
+    # (Each branch ends in the gradients, the weight's added up in place: a branch that returned
+    # q, or dw alone, would copy it.)
+    far = jnp.max(lse - reference) > REFERENCE_RANGE
+    dh, dw_acc = lax.cond(
+        far,
+        lambda: grads(_tiles(h_c, w, t_c, cfg, lse)[2], lse),
+        lambda: grads(q, reference),
+    )
+    return lse, tl, dh, dw_acc

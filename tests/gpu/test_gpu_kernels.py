@@ -110,7 +110,8 @@ def test_rms_norm_kernels_match_the_reference(variant, hidden):
 Z_LOSS = 1e-4
 
 
-def _lm_head_inputs(n: int, d: int, v: int, seed: int):
+def _lm_head_inputs(n: int, d: int, v: int, seed: int, far_loss: float = 0.0):
+    """far_loss: token 0's logits stretched until its target, the least likely, costs that."""
     k = jax.random.split(jax.random.key(seed), 5)
     h = jax.random.normal(k[0], (n, d)).astype(jnp.bfloat16)
     # Logits of a few units, as a trained head gives: a softmax neither flat nor one-hot.
@@ -118,6 +119,10 @@ def _lm_head_inputs(n: int, d: int, v: int, seed: int):
     mask = jax.random.uniform(k[2], (n,)) < 0.75
     targets = jax.random.randint(k[3], (n,), 0, v)
     garbage = jax.random.randint(k[4], (n,), -(2**30), 2**30)  # masked out: never read
+    if far_loss:
+        logits = h[0].astype(jnp.float32) @ w.astype(jnp.float32)
+        h = h.at[0].multiply((far_loss / (logits.max() - logits.min())).astype(h.dtype))
+        mask, targets = mask.at[0].set(True), targets.at[0].set(jnp.argmin(logits))
     return h, w, jnp.where(mask, targets, garbage), mask
 
 
@@ -130,12 +135,15 @@ def _lm_head_value_and_grad(h, w, t, m, **kw):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(h, w)
 
 
-def lm_head_errors(impl: str, n: int, d: int, v: int, seed: int) -> dict[str, float]:
+def lm_head_errors(
+    impl: str, n: int, d: int, v: int, seed: int, far_loss: float = 0.0
+) -> dict[str, float]:
     """Relative errors of impl's objective, statistics and gradients against the reference in
     fp32 on the same values (fp32 matmuls at full precision: the products of bf16 values are
     exact there); checks that masked-out tokens get no gradient."""
-    h, w, t, m = _lm_head_inputs(n, d, v, seed)
+    h, w, t, m = _lm_head_inputs(n, d, v, seed, far_loss)
     (obj, aux), (dh, dw) = _lm_head_value_and_grad(h, w, t, m, impl=impl)
+    assert np.all(np.isfinite(np.asarray(dh, np.float32))), f"non-finite dh (seed {seed})"
     with jax.default_matmul_precision("highest"):
         (obj0, aux0), (dh0, dw0) = _lm_head_value_and_grad(*_f32((h, w)), t, m)
     assert obj.dtype == jnp.float32 and dh.dtype == dw.dtype == jnp.bfloat16
@@ -169,7 +177,8 @@ def test_lm_head_loss_kernels_match_the_reference(d, v, mosaic_runs):
         assert kernel_used(impl, d, v, jnp.bfloat16) == runs  # what the plan reports
         errors = lm_head_errors(impl, TOKENS, d, v, seed)
         _check_lm_head(errors, seed)
-        # ... is what the program runs: one kernel call, inside the scan over token chunks.
+        # ... is what the program runs: its kernel inside the scan over token chunks, and again
+        # in the branch that a token's loss past q's range takes.
         h = jax.ShapeDtypeStruct((TOKENS, d), jnp.bfloat16)
         w = jax.ShapeDtypeStruct((d, v), jnp.bfloat16)
         t = jax.ShapeDtypeStruct((TOKENS,), jnp.int32)
@@ -179,7 +188,15 @@ def test_lm_head_loss_kernels_match_the_reference(d, v, mosaic_runs):
         )
         text = _lowered(grad, h, w, t, m)
         calls = {"mosaic": text.count(MOSAIC), "pallas": text.count(TRITON)}
-        assert calls == {k: int(k == runs) for k in calls}, (impl, calls)
+        assert calls == {k: 2 * (k == runs) for k in calls}, (impl, calls)
+
+
+def test_lm_head_loss_kernels_take_tokens_past_qs_range():
+    """A token whose loss (200) is past the range of q relative to its target logit: its chunk's
+    kernel runs again relative to its logsumexp, and every gradient is still the reference's."""
+    seed = _seed()
+    for impl in ("pallas", "mosaic") if is_hopper() else ("pallas",):
+        _check_lm_head(lm_head_errors(impl, TOKENS, 2048, 128_256, seed, far_loss=200.0), seed)
 
 
 # ---- fp8 quantize into both layouts ----------------------------------------------------------
