@@ -167,8 +167,8 @@ def _mosaic_attention_faster(model_cfg, devices: int, documents: bool) -> bool:
     """Whether jaxllmq's flash attention, where it can run, was measured faster than cuDNN's for
     this model's attention: on one GPU (on several it runs per device, not yet timed there),
     over packed documents at every head dim it takes, and where every layer's attention is:
-    causal at CAUSAL_FASTER_HEAD_DIMS, within a window of at most FASTER_WINDOW_MAX keys at the
-    head dims it runs unpadded, within any window at ANY_WINDOW_FASTER_HEAD_DIMS."""
+    causal at CAUSAL_FASTER_HEAD_DIMS, within a window of at most FASTER_WINDOW_MAX's keys at its
+    head dims, within any window at ANY_WINDOW_FASTER_HEAD_DIMS."""
     from jaxllmq.kernels import flash_attention as fa  # Mosaic GPU's Pallas: where it can run
 
     head_dim = model_cfg.head_dim
@@ -176,7 +176,7 @@ def _mosaic_attention_faster(model_cfg, devices: int, documents: bool) -> bool:
     def faster(window: int | None) -> bool:
         if window is None:
             return head_dim in fa.CAUSAL_FASTER_HEAD_DIMS
-        short = window <= fa.FASTER_WINDOW_MAX and head_dim in fa.HEAD_DIMS
+        short = window <= fa.FASTER_WINDOW_MAX.get(head_dim, 0)
         return short or head_dim in fa.ANY_WINDOW_FASTER_HEAD_DIMS
 
     return devices == 1 and (documents or all(map(faster, model_cfg.layer_windows())))

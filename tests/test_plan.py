@@ -81,14 +81,15 @@ def test_auto_picks_ours_where_every_layer_s_attention_was_measured_faster():
     assert _plan(at(128)).attention == "mosaic"  # causal
     assert _plan(at(96)).attention == "cudnn"  # runs padded to 128: 0.95-1.00x cuDNN's speed
     assert _plan(window(at(128), 1024)).attention == "mosaic"
-    assert _plan(window(at(128), 2048)).attention == "cudnn"  # level with cuDNN's
+    assert _plan(window(at(128), 2048)).attention == "mosaic"
+    assert _plan(window(at(128), 4096)).attention == "cudnn"  # 0.96x cuDNN's at 2 x 8192
     assert _plan(window(at(64), 4096)).attention == "mosaic"  # at 64 windows of any length
     assert _plan(window(at(256), 2048)).attention == "cudnn"  # not measured there
     assert _plan(window(TINY, 512)).attention == "cudnn"  # head dim 32 runs padded to 64
-    # Each layer counts: causal layers beside windows of 512, or of 2048.
+    # Each layer counts: causal layers beside windows of 512, or of 4096.
     mixed = lambda w: window(at(128), w, layer_types=(SLIDING, FULL))
     assert _plan(mixed(512), scan_layers=False).attention == "mosaic"
-    assert _plan(mixed(2048), scan_layers=False).attention == "cudnn"
+    assert _plan(mixed(4096), scan_layers=False).attention == "cudnn"
     assert _plan(window(at(128), 512), mesh=_mesh(fsdp=2)).attention == "cudnn"  # timed on one
 
 

@@ -25,11 +25,12 @@ HEAD_DIMS = (64, 128, 256)
 # 1.18-1.28x at head dim 64, 1.02-1.09x at 128 (the 3B's and Qwen3 1.7B's steps level to 0.7%
 # faster, 2 x 8192 to 8 x 2048, at the same peak memory) and 1.03-1.14x at 256.
 CAUSAL_FASTER_HEAD_DIMS = (64, 128, 256)
-# A sliding window of at most this many keys on every layer runs faster than cuDNN's windowed
-# attention (8 x 2048 to 2 x 8192): at 128 1.04-1.19x for windows of 512 and 1024, level at 2048
-# (0.99-1.02x), 0.96x at 4096 over 8192. At the ANY_WINDOW_FASTER_HEAD_DIMS any window: at 64
-# 1.20-1.38x for windows of 512 to 4096.
-FASTER_WINDOW_MAX = 1024
+# Per head dim, a sliding window of at most this many keys on every layer runs faster than
+# cuDNN's windowed attention (8 x 2048 to 2 x 8192): at 128 1.04-1.19x for windows of 512 and
+# 1024, 1.03-1.04x at 2048 (4 x 4096 and 2 x 8192), 0.96x at 4096 over 8192; at 256 windows of
+# 1024 and less were taken with causal's gain, longer ones not timed. At the
+# ANY_WINDOW_FASTER_HEAD_DIMS any window: at 64 1.20-1.38x for windows of 512 to 4096.
+FASTER_WINDOW_MAX = {128: 2048, 256: 1024}
 ANY_WINDOW_FASTER_HEAD_DIMS = (64,)
 # From this sequence length on, causal attention at head dim 64 (no documents, no window) runs
 # its forward over 256-key tiles, half the steps of 128-key ones: on an H200 the forward took
