@@ -125,7 +125,8 @@ class ModelSpec(Settings):
     lmhead_chunks: int = setting(
         1,
         "Compute the LM-head loss over at least this many token chunks (saves memory; the Pallas "
-        "loss uses chunks of at most 8192 tokens anyway and never holds the logits).",
+        "loss uses chunks of at most 8192 tokens anyway, fewer where a chunk would reach 2^31 "
+        "logits, e.g. 4096 at Gemma 3's vocabulary, and never holds the logits).",
         lower=1,
     )
     recompute: Recompute = section(Recompute)

@@ -1,6 +1,7 @@
 """LM-head loss: chunked XLA and fused Pallas (interpret mode on CPU) against the reference."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -295,3 +296,21 @@ def test_mosaic_tile_options():
     for bad in (dict(cluster_m=4), dict(semantics="thread")):
         with pytest.raises(ValueError, match="cluster_m must be 1 or 2"):
             dataclasses.replace(lane, **bad)
+
+
+@pytest.mark.parametrize("v,chunks", [(128_256, 2), (151_936, 2), (262_144, 4)])
+def test_gradient_chunks_stay_under_2_31_logits(v, chunks):
+    """8 x 2048 tokens: chunks of 8192 (the 1B's and Qwen's vocabularies), of 4096 at Gemma 3's
+    262,144, where 8192 tokens would hold 2^31 entries of q."""
+    n = 8 * 2048
+    h, w = jax.ShapeDtypeStruct((n, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, v), jnp.bfloat16)
+    t, m = jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.bool_)
+
+    def step(h, w, t, m):
+        loss = lambda h, w: lm_head_loss(h, w, t, m, impl="pallas", interpret=True)
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(h, w)
+
+    # The scan over chunks: the one that carries the weight's fp32 gradient out.
+    text = str(jax.make_jaxpr(step)(h, w, t, m))
+    lengths = re.findall(rf"f32\[64,{v}\][^=]*= scan\[\s*jaxpr=\w+\s*length=(\d+)", text)
+    assert lengths == [str(chunks)]

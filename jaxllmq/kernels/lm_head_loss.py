@@ -213,8 +213,8 @@ def lm_head_loss(
     impl "xla" scans over `chunks` token chunks and never holds more than one chunk's logits
     (chunks=1: all of them at once); its backward matmuls run in the compute dtype, where the
     reference's autodiff runs them in fp32 (TF32 on GPU: 65 of 280 ms of a 1B step on an H200).
-    impl "pallas" never writes logits; its gradient uses max(chunks, N / pallas_config.chunk_tokens)
-    chunks. impl "mosaic" is "pallas" with the kernel's Mosaic GPU lowering (lm_head_mgpu) where
+    impl "pallas" never writes logits; its gradient uses at least `chunks` chunks, of at most
+    pallas_config.tokens_per_chunk(V) tokens. impl "mosaic" is "pallas" with the kernel's Mosaic GPU lowering (lm_head_mgpu) where
     its tiles fit the head (kernel_used). The gradient flows to h and w only.
     """
     dtype = jnp.result_type(h_NxD, w_DxV)
@@ -231,7 +231,7 @@ def lm_head_loss(
             lowering="mosaic" if kernel == "mosaic" else "triton",
             interpret=P.default_interpret() if interpret is None else interpret,
         )
-        chunks = max(chunks, P.cdiv(n, cfg.chunk_tokens))
+        chunks = max(chunks, P.cdiv(n, cfg.tokens_per_chunk(v)))
         chunk_len = P.cdiv(P.cdiv(n, chunks), cfg.rows) * cfg.rows
     plan = _Plan(
         impl="xla" if kernel == "xla" else "pallas",
