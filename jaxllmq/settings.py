@@ -102,8 +102,8 @@ class ModelSpec(Settings):
         "Attention kernel; auto = cuDNN on GPU in bf16, mosaic on one Hopper GPU at head dims "
         "64, 128 and 256, over packed documents, causal or with windows of up to 2048 keys on "
         "every layer (1024 at 256, any at 64; measured faster), and with --deterministic mosaic "
-        "where it runs (else XLA's); mosaic = jaxllmq's own flash attention (Hopper GPUs, head dims "
-        "up to 256; per device on several).",
+        "where it runs (else XLA's); mosaic = jaxllmq's own flash attention (Hopper GPUs, head "
+        "dims up to 256; per device on several).",
         choices=ATTENTIONS,
     )
     deterministic: bool = setting(

@@ -214,8 +214,9 @@ def lm_head_loss(
     (chunks=1: all of them at once); its backward matmuls run in the compute dtype, where the
     reference's autodiff runs them in fp32 (TF32 on GPU: 65 of 280 ms of a 1B step on an H200).
     impl "pallas" never writes logits; its gradient uses at least `chunks` chunks, of at most
-    pallas_config.tokens_per_chunk(V) tokens. impl "mosaic" is "pallas" with the kernel's Mosaic GPU lowering (lm_head_mgpu) where
-    its tiles fit the head (kernel_used). The gradient flows to h and w only.
+    pallas_config.tokens_per_chunk(V) tokens. impl "mosaic" is "pallas" with the kernel's Mosaic
+    GPU lowering (lm_head_mgpu) where its tiles fit the head (kernel_used). The gradient flows
+    to h and w only.
     """
     dtype = jnp.result_type(h_NxD, w_DxV)
     (n, d), v = h_NxD.shape, w_DxV.shape[1]

@@ -205,16 +205,16 @@ def resolve_attention(
     mosaic: bool = False,
     mosaic_faster: bool = False,
 ) -> str:
-    """'auto' -> cuDNN's fused attention on GPU (`platform`, default jax's backend) in bf16/fp16,
-    XLA's otherwise. Where jaxllmq's flash attention ("mosaic")
-    can run (`mosaic`: a Hopper GPU, its head dims) and was measured faster (`mosaic_faster`:
-    packed documents, 0.5-0.7x the time of cuDNN's 32 segments at the 1B's heads, with no limit
-    on documents a window and less memory; causal attention at head dims 64, 128 and 256;
-    sliding windows of up to 2048 keys at 128, 1024 at 256, of any length at 64, on every
-    layer that has one) it runs instead of cuDNN's. `deterministic` (XLA's deterministic ops): cuDNN's
-    crashes under them and its backward's atomics round differently each run, while ours, asked
-    for determinism, writes every output from one place in a fixed order; ours where it can
-    run, else XLA's (2-2.5x slower on the 1B step)."""
+    """'auto' -> cuDNN's fused attention on GPU (`platform`, default jax's backend) in
+    bf16/fp16, XLA's otherwise. Where jaxllmq's flash attention ("mosaic") can run (`mosaic`: a
+    Hopper GPU, its head dims) and was measured faster (`mosaic_faster`: packed documents,
+    0.5-0.7x the time of cuDNN's 32 segments at the 1B's heads, with no limit on documents a
+    window and less memory; causal attention at head dims 64, 128 and 256; sliding windows of up
+    to 2048 keys at 128, 1024 at 256, of any length at 64, on every layer that has one) it runs
+    instead of cuDNN's. `deterministic` (XLA's deterministic ops): cuDNN's crashes under them
+    and its backward's atomics round differently each run, while ours, asked for determinism,
+    writes every output from one place in a fixed order; ours where it can run, else XLA's
+    (2-2.5x slower on the 1B step)."""
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
     if attention != "auto":
