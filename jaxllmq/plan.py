@@ -167,8 +167,8 @@ def _mosaic_attention_faster(model_cfg, devices: int, documents: bool) -> bool:
     """Whether jaxllmq's flash attention, where it can run, was measured faster than cuDNN's for
     this model's attention: on one GPU (on several it runs per device, not yet timed there),
     over packed documents at every head dim it takes, and where every layer's attention is:
-    causal at CAUSAL_FASTER_HEAD_DIMS, within a window of at most FASTER_WINDOW_MAX's keys at its
-    head dims, within any window at ANY_WINDOW_FASTER_HEAD_DIMS."""
+    causal at CAUSAL_FASTER_HEAD_DIMS, within a window no longer than FASTER_WINDOW_MAX gives for
+    its head dim, within any window at ANY_WINDOW_FASTER_HEAD_DIMS."""
     from jaxllmq.kernels import flash_attention as fa  # Mosaic GPU's Pallas: where it can run
 
     head_dim = model_cfg.head_dim

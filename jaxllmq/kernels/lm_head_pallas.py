@@ -51,11 +51,6 @@ class LmHeadPallasConfig:
     # Gemma 3's 262,144-entry vocabulary 4096 tokens (2 GiB of bf16 q), whose 1B step on an H200
     # ran as fast as with 8192 (83,153 against 82,609 tokens/s) at 4 GiB less peak memory.
     chunk_entries: int = (1 << 31) - 1
-
-    def tokens_per_chunk(self, vocab: int) -> int:
-        """chunk_tokens, or the largest power of two of tokens within chunk_entries if less."""
-        return min(self.chunk_tokens, 1 << (max(1, self.chunk_entries // vocab).bit_length() - 1))
-
     # "triton": the kernel below; "mosaic": lm_head_mgpu's Hopper kernel (lm_head_loss.kernel_used
     # keeps it to heads its tiles fit, the Triton kernel elsewhere).
     lowering: str = "triton"
@@ -69,6 +64,10 @@ class LmHeadPallasConfig:
         if self.lowering == "mosaic":
             return math.lcm(self.block_m, self.mosaic.rows)
         return self.block_m
+
+    def tokens_per_chunk(self, vocab: int) -> int:
+        """chunk_tokens, or the largest power of two of tokens within chunk_entries if less."""
+        return min(self.chunk_tokens, 1 << (max(1, self.chunk_entries // vocab).bit_length() - 1))
 
 
 def _kernel(h_ref, w_ref, t_ref, *refs, n_m, n_v, d, v, cfg, with_q):
