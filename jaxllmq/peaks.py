@@ -42,6 +42,13 @@ def _model_and_variant(device_kind: str) -> tuple[str, str] | None:
     return model, variant
 
 
+def gpu_model(device_kind: str) -> str | None:
+    """The GPU model a device_kind names ("H100" from "NVIDIA H100 80GB HBM3"), None where no
+    word of it is a model in the table."""
+    key = _model_and_variant(device_kind)
+    return key and key[0]
+
+
 def peak_flops(device_kind: str, dtype: str = "bfloat16") -> float | None:
     """Dense peak FLOP/s of one device of `device_kind` (jax's Device.device_kind) in `dtype`
     ("bfloat16" or "fp8"), or None where the table does not know it."""

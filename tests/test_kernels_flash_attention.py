@@ -26,6 +26,7 @@ from jaxllmq.settings import ModelSpec
 H200 = dict(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0")
 A100 = dict(platform="gpu", device_kind="NVIDIA A100-SXM4-80GB", compute_capability="8.0")
 CPU = dict(platform="cpu", device_kind="cpu")
+H100_KIND = "NVIDIA H100 80GB HBM3"
 
 
 def _segments(rows: int, t: int, starts: list[int]) -> jax.Array:
@@ -118,6 +119,7 @@ def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
         (256, 80, False, None, None),
         (256, 256, False, None, None),
         (256, 256, True, 100, None),
+        (256, 128, False, None, fa.default_blocks(128, causal_len=256, device_kind=H100_KIND)),
     ],
     ids=[
         "causal-64",
@@ -137,6 +139,7 @@ def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
         "80",
         "causal-256",
         "bounded-256",
+        "causal-h100-128",
     ],
 )
 def test_forward_and_backward_lower_to_mosaic_gpu(t, d, documents, window, blocks):
@@ -408,6 +411,21 @@ def test_the_forward_takes_256_key_tiles_for_long_plain_causal_attention_at_head
     assert blocks.block_kv == key_tile
     plain_causal = not documents and window is None
     assert blocks == fa.default_blocks(head_dim, causal_len=t if plain_causal else 0)
+
+
+def test_dq_is_added_up_in_dkv_at_128_only_on_the_gpus_where_that_was_faster():
+    def fused(kind, head_dim=128, **kw):
+        return fa.default_blocks(head_dim, causal_len=2048, device_kind=kind, **kw).dq_in_dkv
+
+    assert fused("NVIDIA H200") and fused("NVIDIA H200 NVL")
+    assert not fused(H100_KIND) and not fused("NVIDIA GH200 480GB") and not fused("cpu")
+    assert not fused("NVIDIA H200", deterministic=True)
+    assert fused(H100_KIND, head_dim=64)  # at 64 on both
+    # Lowered on a CPU for a GPU, the kernels take an H200's tiles, as for its SM count.
+    assert fa.kernel_device_kind() == "NVIDIA H200"
+    assert fa.default_blocks(128, causal_len=2048) == fa.default_blocks(
+        128, causal_len=2048, device_kind="NVIDIA H200"
+    )
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,7 @@ from jaxllmq.kernels.flash_attention.common import (
     FlashBlocks,
     Visibility,
     default_blocks,
+    kernel_device_kind,
     kernel_head_dim,
 )
 
@@ -75,6 +76,7 @@ __all__ = [
     "default_blocks",
     "fits",
     "flash_attention",
+    "kernel_device_kind",
     "kernel_head_dim",
     "key_bounds",
     "reference_attention",
@@ -199,7 +201,7 @@ def flash_attention(
     A T that is not a multiple of the tiles is padded at the end (causal attention keeps the
     padding out of every real query's keys), a D below 64 or between 64 and 128 with zero
     columns (kernel_head_dim), and the output cut back. `blocks`: the tiles (default_blocks for
-    the head dim, `deterministic` and, for plain causal attention, T when None;
+    the head dim, `deterministic`, the GPU and, for plain causal attention, T when None;
     `deterministic`: the gradients bit-identical from run to run). `checkpoint_as`: a
     jax.ad_checkpoint name for the output and its rows' logsumexp, what the backward keeps
     beside q, k and v; a recompute policy that saves the name then keeps them rather than

@@ -13,6 +13,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from jaxllmq import peaks
+
 LOG2E = math.log2(math.e)
 # Registers per thread of a compute and of the memory warpgroup: (2 x 232 + 40) x 128 threads
 # fits an SM's 65,536; asking for more makes setmaxnreg wait forever. FlashAttention-3's 240 and
@@ -37,6 +39,12 @@ ANY_WINDOW_FASTER_HEAD_DIMS = (64,)
 # 8% less time at 2 x 8192 (three calls), up to 4% less at 4 x 4096 (one call 0.6% more) and
 # 2% more at 8 x 2048.
 WIDE_KEY_TILES_FROM = 4096
+# The GPU models on which plain causal attention at head dim 128 adds dQ up in the dK/dV kernel
+# (by column halves), measured faster there than dQ's own kernel: on an H200 level at 8 x 2048
+# and 4.5-6% faster at 4 x 4096 and 2 x 8192. On an H100 it took 1.06-1.33x as long as the two
+# kernels (0.86-0.97x cuDNN's speed, the two kernels 1.01-1.15x), so other GPUs, measured or
+# not, run the two.
+DQ_BY_HALVES_GPUS = ("H200",)
 # The query and dO bytes of a dK/dV section: well inside an H200's 50 MB of L2.
 DKV_SECTION_BYTES = 32 << 20
 
@@ -107,10 +115,13 @@ def kernel_head_dim(head_dim: int) -> int | None:
     return next((d for d in HEAD_DIMS if d >= head_dim), None)
 
 
-def default_blocks(head_dim: int, deterministic: bool = False, causal_len: int = 0) -> FlashBlocks:
+def default_blocks(
+    head_dim: int, deterministic: bool = False, causal_len: int = 0, device_kind: str | None = None
+) -> FlashBlocks:
     """The tiles for a head dim (those of the kernel head dim it runs at), as measured on an H200
     (causal, 8 x 2048 to 2 x 8192, 32 query and 8 key heads); `causal_len`: the sequence length
-    of plain causal attention (0 with documents or a window). At head dim 64 the forward takes
+    of plain causal attention (0 with documents or a window); `device_kind`: jax's name of the
+    GPU the kernels run on (DQ_BY_HALVES_GPUS; None: kernel_device_kind()). At head dim 64 the forward takes
     256-key tiles from WIDE_KEY_TILES_FROM on (plain causal only: documents and windows skip
     whole key tiles, which 128 keys keep finer). At head dim 64, dQ added up in the
     dK/dV kernel, whose steps overlap (dq_in_dkv, dkv_overlap, 64-row steps: forward + backward
@@ -124,7 +135,8 @@ def default_blocks(head_dim: int, deterministic: bool = False, causal_len: int =
     128-row steps spill registers (1.3-1.4x slower); for plain causal attention dQ is added up
     in the dK/dV kernel by column halves in overlapped steps, dS^T formed before dV's product,
     each warpgroup's code its own and the mask's offset first (level at 8 x 2048, 3-6% faster
-    at 4 x 4096 and 2 x 8192 than dQ's own kernel; under `deterministic` dQ's own kernel, with
+    at 4 x 4096 and 2 x 8192 than dQ's own kernel; on the DQ_BY_HALVES_GPUS only; under
+    `deterministic` dQ's own kernel, with
     the last two, 0.3-1% faster). Over documents or within a window that backward was 1.09-1.17x
     and 1.05x slower, so they keep the two kernels, with the last two as well (over documents
     5-8% faster at 2 x 8192, within a window of 1024 3%, level at 8 x 2048 and 4 x 4096). At
@@ -144,7 +156,9 @@ def default_blocks(head_dim: int, deterministic: bool = False, causal_len: int =
             dkv_stages=4,
         )
     if kernel_d == 128:
-        fused = causal_len > 0 and not deterministic
+        kind = kernel_device_kind() if device_kind is None else device_kind
+        by_halves = peaks.gpu_model(kind) in DQ_BY_HALVES_GPUS
+        fused = causal_len > 0 and not deterministic and by_halves
         return FlashBlocks(
             dkv_section=0,
             dkv_one_ready=False,
@@ -240,6 +254,13 @@ def add_product(acc, a, b):
     shared memory), once it is done."""
     (acc,) = accumulate(lambda refs: plgpu.wgmma(refs[0], a, b), (acc,))
     return acc
+
+
+def kernel_device_kind() -> str:
+    """jax's name of the GPU the kernels run on: this process's first device's, or an H200's
+    where that is no GPU (lowering for a GPU on a CPU), as resident_ctas assumes."""
+    device = jax.devices()[0]
+    return device.device_kind if device.platform == "gpu" else "NVIDIA H200"
 
 
 def resident_ctas() -> int:
