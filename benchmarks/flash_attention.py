@@ -72,12 +72,12 @@ flags.DEFINE_bool(
     "spills",
     False,
     "Instead of timing, compile ours' forward + backward at each head dim and --blocks setting "
-    "and print each kernel's register spills as ptxas reports them (bytes a thread stores to "
-    "and loads from local memory), and, where ptxas and nvdisasm are on PATH, each loop of "
-    "matrix products' instructions, wgmma, local stores and loads, and named barriers: a "
-    "compile each, no timing, the first test of a change to a kernel's live values. Without a "
-    "GPU it compiles for an H200 through jax's CUDA plugin. A kernel compiled for an earlier "
-    "setting of the same run is not compiled, nor listed, again.",
+    "and print ptxas's version and each kernel's register spills as ptxas reports them (bytes "
+    "a thread stores to and loads from local memory), and, where ptxas and nvdisasm are on "
+    "PATH, each loop of matrix products' instructions, wgmma, local stores and loads, and named "
+    "barriers: a compile each, no timing, the first test of a change to a kernel's live values. "
+    "Without a GPU it compiles for an H200 through jax's CUDA plugin. A kernel compiled for an "
+    "earlier setting of the same run is not compiled, nor listed, again.",
 )
 
 
@@ -270,16 +270,17 @@ def measure(b: int, t: int, d: int) -> None:
 
 
 def report_spills(d: int, specs: list[str], heads: int, kv_heads: int, device=None) -> None:
-    """One JSON line per tile setting (a --blocks spec) at head dim d: each kernel's spills, from
-    compiling ours' causal forward + backward (Mosaic GPU compiles its kernels with the jit's
-    compile, and dumps them where MOSAIC_GPU_DUMP_TO says) for `device` (None: the GPU jax runs
-    on), with the loops of matrix products where kernel_code can read them, or the error that
-    stopped it."""
+    """One JSON line per tile setting (a --blocks spec) at head dim d: the ptxas version and each
+    kernel's spills, from compiling ours' causal forward + backward (Mosaic GPU compiles its
+    kernels with the jit's compile, and dumps them where MOSAIC_GPU_DUMP_TO says) for `device`
+    (None: the GPU jax runs on), with the loops of matrix products where kernel_code can read
+    them, or the error that stopped it."""
     sharding = jax.sharding.SingleDeviceSharding(device) if device else None
     q = jax.ShapeDtypeStruct((1, 2048, heads, d), jnp.bfloat16, sharding=sharding)
     kv = jax.ShapeDtypeStruct((1, 2048, kv_heads, d), jnp.bfloat16, sharding=sharding)
+    ptxas = kernel_code.ptxas_version()
     for spec in specs:
-        row = {"head_dim": d, "variant": f"mosaic {spec or 'default'}"}
+        row = {"head_dim": d, "variant": f"mosaic {spec or 'default'}", "ptxas": ptxas}
         try:
             blocks = parse_blocks(spec, d, q.shape[1])
             grad = _grad_fn(

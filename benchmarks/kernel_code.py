@@ -26,6 +26,8 @@ import tempfile
 PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+?)(?:_mosaic_gpu_kernel)?'")
 PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 PTX_TARGET = re.compile(r"^\.target\s+(\w+)", re.MULTILINE)
+# `ptxas --version`'s last line: "Cuda compilation tools, release 13.0, V13.0.88".
+PTXAS_VERSION = re.compile(r"\bV(\d+\.\d+\.\d+)")
 # nvdisasm's listing: `/*0a30*/  [@P0] OPCODE operands ;` and labels `.L_x_12:`.
 SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", re.MULTILINE)
 SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):", re.MULTILINE)
@@ -109,6 +111,30 @@ def product_loops(sass: str) -> list[list[int]]:
         [b - a + 1] + [count(code[a : b + 1], op) for op in ("HGMMA", "STL", "LDL", "BAR")]
         for a, b in sorted(innermost)
     ]
+
+
+def ptxas_path() -> str | None:
+    """The ptxas Mosaic GPU compiles with: the first on PATH (XLA prefers it), else the one of
+    the CUDA jax found (the nvidia-cuda-nvcc wheel's); None where there is neither."""
+    found = shutil.which("ptxas")
+    if found:
+        return found
+    from jax._src import lib  # jax's own lookup of its CUDA, which Mosaic GPU is pointed at
+
+    candidate = pathlib.Path(lib.cuda_path or "/nonexistent", "bin", "ptxas")
+    return str(candidate) if candidate.is_file() else None
+
+
+def ptxas_version() -> str | None:
+    """ptxas_path's version ("13.0.88"): spills differ by version (13.3 on spill 2.5-3x as much
+    in the flash attention's dK/dV kernel at head dim 128 as 13.0-13.2), so every report names
+    it. None where there is no ptxas or it does not say."""
+    path = ptxas_path()
+    if path is None:
+        return None
+    out = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
+    found = PTXAS_VERSION.search(out)
+    return found.group(1) if found else None
 
 
 def machine_code(ptx: pathlib.Path) -> str | None:

@@ -284,6 +284,26 @@ def test_the_loops_of_products_and_the_spills_inside_them():
     assert kernel_code.product_loops("") == []
 
 
+def test_ptxas_version_is_that_of_the_first_on_path_else_jaxs_cuda(monkeypatch, tmp_path):
+    from jax._src import lib
+
+    def fake_ptxas(folder, release):
+        folder.mkdir(parents=True)
+        ptxas = folder / "ptxas"
+        ptxas.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}'\n")
+        ptxas.chmod(0o755)
+
+    fake_ptxas(tmp_path / "path", "13.0, V13.0.88")
+    fake_ptxas(tmp_path / "cuda" / "bin", "13.5, V13.5.37")
+    monkeypatch.setattr(lib, "cuda_path", str(tmp_path / "cuda"))
+    monkeypatch.setenv("PATH", str(tmp_path / "path"))
+    assert kernel_code.ptxas_version() == "13.0.88"
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert kernel_code.ptxas_version() == "13.5.37"
+    monkeypatch.setattr(lib, "cuda_path", None)
+    assert kernel_code.ptxas_version() is None
+
+
 def test_spills_prints_each_settings_kernels_or_the_error_that_stopped_it(monkeypatch, capsys):
     lowered_for = []
 
@@ -298,6 +318,7 @@ def test_spills_prints_each_settings_kernels_or_the_error_that_stopped_it(monkey
 
     monkeypatch.setattr(flash_attention, "_grad_fn", lambda attend: Compiled())
     monkeypatch.setattr(kernel_code, "machine_code", lambda ptx: SASS)
+    monkeypatch.setattr(kernel_code, "ptxas_version", lambda: "13.0.88")
     device = jax.devices("cpu")[0]  # stands in for a compile-only GPU
     flash_attention.report_spills(128, ["", "stages=0"], heads=4, kv_heads=2, device=device)
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -305,6 +326,7 @@ def test_spills_prints_each_settings_kernels_or_the_error_that_stopped_it(monkey
     assert rows[0] == {
         "head_dim": 128,
         "variant": "mosaic default",
+        "ptxas": "13.0.88",
         "spills": {"flash_attention_forward": [0, 0], "flash_attention_dkv": [120, 132]},
         "product_loops": {
             "flash_attention_forward": [[5, 1, 1, 2, 0], [7, 2, 0, 0, 1]],
