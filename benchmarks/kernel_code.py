@@ -2,9 +2,9 @@
 loops that issue the matrix products (where they cost time) or outside them.
 
 Mosaic GPU writes each kernel's PTX and ptxas's report into the folder that MOSAIC_GPU_DUMP_TO
-names, when it compiles the kernel. `compiled_kernels` reads that folder. Where ptxas and
-nvdisasm are on PATH (CUDA's toolkit; nvdisasm also comes as the nvidia-cuda-nvdisasm wheel),
-it compiles the PTX again and reads the machine code's loops. Neither needs a GPU.
+names, when it compiles the kernel. `compiled_kernels` reads that folder. Where nvdisasm is on
+PATH (CUDA's toolkit, or the nvidia-cuda-nvdisasm wheel), it compiles the PTX again with the
+ptxas Mosaic GPU used (ptxas_path) and reads the machine code's loops. Neither needs a GPU.
 
 Nor does the compile: with jax's CUDA plugin installed (`pip install
 "jax-cuda13-plugin[with-cuda]==<jax's version>"`), `h200_compile_devices` gives compile-only
@@ -121,8 +121,8 @@ def ptxas_path() -> str | None:
         return found
     from jax._src import lib  # jax's own lookup of its CUDA, which Mosaic GPU is pointed at
 
-    candidate = pathlib.Path(lib.cuda_path or "/nonexistent", "bin", "ptxas")
-    return str(candidate) if candidate.is_file() else None
+    candidate = lib.cuda_path and pathlib.Path(lib.cuda_path, "bin", "ptxas")
+    return str(candidate) if candidate and candidate.is_file() else None
 
 
 def ptxas_version() -> str | None:
@@ -138,16 +138,18 @@ def ptxas_version() -> str | None:
 
 
 def machine_code(ptx: pathlib.Path) -> str | None:
-    """nvdisasm's listing of the PTX compiled by ptxas (None without both tools)."""
-    if not (shutil.which("ptxas") and shutil.which("nvdisasm")):
+    """nvdisasm's listing of the PTX compiled by ptxas_path's ptxas, the one whose spills the
+    report gives (None without both tools)."""
+    ptxas, nvdisasm = ptxas_path(), shutil.which("nvdisasm")
+    if not (ptxas and nvdisasm):
         return None
     target = PTX_TARGET.search(ptx.read_text())
     with tempfile.TemporaryDirectory() as tmp:
         cubin = pathlib.Path(tmp, "kernel.cubin")
         arch = f"-arch={target.group(1)}" if target else "-arch=sm_90a"
-        subprocess.run(["ptxas", arch, "-o", str(cubin), str(ptx)], check=True)
+        subprocess.run([ptxas, arch, "-o", str(cubin), str(ptx)], check=True)
         listing = subprocess.run(
-            ["nvdisasm", "-ndf", "-c", str(cubin)], check=True, capture_output=True, text=True
+            [nvdisasm, "-ndf", "-c", str(cubin)], check=True, capture_output=True, text=True
         )
     return listing.stdout
 
