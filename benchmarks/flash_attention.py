@@ -8,7 +8,8 @@ setting, changed from bounded attention's default tiles), ours each with the sha
 128 x 128 blocks its queries see (the blocks the kernels compute) beside the share of causal's
 time it takes. Times are the median over batches of calls issued back to back. One JSON line per
 measurement. With --jax_linear_attention, also that package's kernel of the same design; with
---flash_attn3, FlashAttention-3's CUDA kernels for Hopper (optional extras: the project does not
+--flash_attn3, FlashAttention-3's CUDA kernels for Hopper; with --flash_attn4, FlashAttention-4's
+CuTe DSL kernels (their Hopper path on an H100 or H200) (optional extras: the project does not
 need them). With --spills, no timing: each kernel's register spills as
 ptxas reports them, and how many sit in its loops of matrix products (benchmarks/kernel_code.py),
 per head dim and --blocks setting, on a GPU or, with jax's CUDA plugin, on a machine without one.
@@ -61,6 +62,12 @@ flags.DEFINE_bool(
     False,
     "Also time FlashAttention-3's Hopper kernels (`pip install dew-flash-attn-cu13`, which wraps "
     "Dao-AILab's CUDA code for jax), causal and with each of --windows.",
+)
+flags.DEFINE_bool(
+    "flash_attn4",
+    False,
+    "Also time FlashAttention-4's CuTe DSL kernels (`pip install 'fa4-jax[cu13]'`; on Hopper their "
+    "wgmma path, FlashAttention-3's tiles), causal and with each of --windows.",
 )
 flags.DEFINE_bool(
     "kernels_apart",
@@ -116,6 +123,20 @@ def flash_attn3_kernel(scale: float, window: int | None = None):
     return lambda q, k, v: flash_mha(
         q, k, v, softmax_scale=scale, is_causal=True, window_size=bound
     )
+
+
+def flash_attn4_kernel(scale: float, window: int | None = None):
+    """FlashAttention-4's causal attention within `window` (its left bound counts the keys before
+    the query: window - 1), or SystemExit if the package is not installed."""
+    try:
+        from fa4_jax import flash_attn
+    except ImportError:
+        raise SystemExit(
+            "--flash_attn4: the package is not installed (pip install 'fa4-jax[cu13]'), or "
+            "leave the flag out"
+        ) from None
+    bound = (window - 1, 0) if window else None
+    return lambda q, k, v: flash_attn(q, k, v, causal=True, window_size=bound, scale=scale)
 
 
 def _grad_fn(attend):
@@ -215,6 +236,8 @@ def measure(b: int, t: int, d: int) -> None:
             )
     if FLAGS.flash_attn3:
         variants["flash-attn3"] = (flash_attn3_kernel(scale), reference)
+    if FLAGS.flash_attn4:
+        variants["flash-attn4"] = (flash_attn4_kernel(scale), reference)
     # Documents and windows: the share of causal's blocks their queries see, and of its time.
     causal_blocks = visible_blocks(jnp.zeros((b, t), jnp.int32))
     block_shares = {}
@@ -244,6 +267,8 @@ def measure(b: int, t: int, d: int) -> None:
             variants[f"cudnn window {w}"] = (cudnn(w), windowed_reference)
         if FLAGS.flash_attn3:
             variants[f"flash-attn3 window {w}"] = (flash_attn3_kernel(scale, w), windowed_reference)
+        if FLAGS.flash_attn4:
+            variants[f"flash-attn4 window {w}"] = (flash_attn4_kernel(scale, w), windowed_reference)
     if FLAGS.kernels_apart and d in fa.HEAD_DIMS:  # padded head dims: not the kernels alone
         emit(_kernels_apart(q, k, v, do, scale))
     causal_ms = None  # ours causal with the default tiles, where timed
@@ -321,6 +346,8 @@ def main(argv):
         jax_linear_attention_kernel("ranged", 1.0)  # not installed: stop before any shape
     if FLAGS.flash_attn3:
         flash_attn3_kernel(1.0)
+    if FLAGS.flash_attn4:
+        flash_attn4_kernel(1.0)
     for shape in FLAGS.shapes:
         b, t = map(int, shape.split("x"))
         for d in map(int, FLAGS.head_dims):

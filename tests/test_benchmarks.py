@@ -201,6 +201,19 @@ def test_flash_attn3_passes_the_window_as_its_keys_before_the_query(monkeypatch)
     assert all(c["is_causal"] and c["softmax_scale"] == 0.125 for c in calls)
 
 
+def test_flash_attn4_passes_the_window_as_its_keys_before_the_query(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fa4_jax", None)
+    with pytest.raises(SystemExit, match="--flash_attn4: the package is not installed"):
+        flash_attention.flash_attn4_kernel(0.125)
+    calls = []
+    fake = types.SimpleNamespace(flash_attn=lambda q, k, v, **kw: calls.append(kw))
+    monkeypatch.setitem(sys.modules, "fa4_jax", fake)
+    flash_attention.flash_attn4_kernel(0.125)(None, None, None)
+    flash_attention.flash_attn4_kernel(0.125, 512)(None, None, None)
+    assert [c["window_size"] for c in calls] == [None, (511, 0)]
+    assert all(c["causal"] and c["scale"] == 0.125 for c in calls)
+
+
 def test_visible_blocks_counts_the_tiles_a_window_or_documents_leave():
     """Four 128-row query blocks: causal sees 1 + 2 + 3 + 4 key blocks. A 128-token window
     leaves each block its diagonal and the block before (7). Two documents of 256 tokens
