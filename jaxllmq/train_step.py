@@ -15,6 +15,7 @@ from flax import nnx
 from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxllmq import xla_flags
 from jaxllmq.dtypes import DTYPES
 from jaxllmq.kernels.fp8_quantize import Quantizer
 from jaxllmq.kernels.lm_head_loss import lm_head_loss, lm_head_loss_sharded
@@ -369,6 +370,7 @@ def build(
         in_shardings=(state_sharding, data_sharding),
         out_shardings=(state_sharding, rep),
         donate_argnums=0,
+        compiler_options=xla_flags.step_options(spec.scan_layers),
     )
     eval_step = jax.jit(
         make_eval_step(graphdef, loss=loss, streams=streams),

@@ -113,7 +113,7 @@ def test_every_zero_level_on_8_devices_with_every_offload(reference_8, zero_leve
     assert (q.sharding.spec[1] == "fsdp") == (zero_level == 3)  # ZeRO-3 shards the master
     mu = _moments(built.state.opt_state)[0]["layers"]["q_proj"]
     assert mu.sharding.memory_kind == HOST and "fsdp" in mu.sharding.spec  # sharded at any level
-    jaxpr = str(jax.make_jaxpr(built.train_step)(built.state, BATCH))
+    jaxpr = str(built.train_step.trace(built.state, BATCH).jaxpr)
     assert "MemorySpace.Host" in jaxpr  # the residual's offload, which CPU lowers to nothing
     assert _train(built)[0] == reference_8
 

@@ -154,7 +154,7 @@ def test_the_scanned_forward_keeps_no_layers_weights(zero_level):
     # backward now gathers again.
     built, _ = _on_8(zero_level)
     batch = jax.device_put(BATCHES[0], built.batch_sharding)
-    [forward] = _forward_layer_scans(jax.make_jaxpr(built.train_step)(built.state, batch).jaxpr)
+    [forward] = _forward_layer_scans(built.train_step.trace(built.state, batch).jaxpr.jaxpr)
     weights = {x.shape for x in jax.tree.leaves(built.state.params["layers"])}
     assert not weights & {v.aval.shape for v in forward.outvars}
 

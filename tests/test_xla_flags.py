@@ -1,8 +1,14 @@
-"""The XLA flag defaults never override what the user set."""
+"""The XLA flag defaults and the train step's compile options never override what the user set."""
 
 import os
 
-from jaxllmq.xla_flags import DEFAULTS, HOST_MEMORY_LIMIT, apply_defaults, with_defaults
+from jaxllmq.xla_flags import (
+    DEFAULTS,
+    HOST_MEMORY_LIMIT,
+    apply_defaults,
+    step_options,
+    with_defaults,
+)
 
 DET = "--xla_gpu_deterministic_ops"
 
@@ -42,3 +48,11 @@ def test_deterministic_adds_xla_deterministic_ops_unless_the_user_set_them(monke
     apply_defaults(deterministic=True)
     assert os.environ["XLA_FLAGS"].split().count(f"{DET}=false") == 1
     assert f"{DET}=true" not in os.environ["XLA_FLAGS"]
+
+
+def test_a_scanned_step_compiles_without_dynamic_slice_fusions_unless_the_user_says(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+    assert step_options(scan_layers=True) == {"xla_gpu_enable_dynamic_slice_fusion": False}
+    assert step_options(scan_layers=False) == {}  # unrolled: XLA's default
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_dynamic_slice_fusion=true")
+    assert step_options(scan_layers=True) == {}

@@ -240,6 +240,18 @@ def test_each_layer_zeroes_its_own_dq_sums():
     assert not made_together, made_together[0][:300]
 
 
+@pytest.mark.skipif(not is_hopper(), reason="our flash attention runs on Hopper GPUs only")
+def test_a_scanned_step_runs_the_attentions_forward_once_a_layer():
+    # A scan stacks what the backward keeps; XLA's dynamic-slice fusion (on by default in jax
+    # 0.11) fused the store of the attention's output into the kernel that made it and ran that
+    # kernel a second time for the layer's own use (xla_flags.SCANNED_STEP_OPTIONS turn it off).
+    lowered, plan = _lowered_step(attention="mosaic", scan_layers=True)
+    text = lowered.compile().as_text()
+    forwards = [line for line in text.splitlines() if "flash_attention_forward/" in line]
+    assert plan.attention == "mosaic"
+    assert sum('custom_call_target="mosaic_gpu' in line for line in forwards) == 1
+
+
 @pytest.mark.parametrize(
     "recompute, forwards",
     [(Recompute(swiglu=True), 1), (Recompute(att=True), 2)],
