@@ -10,7 +10,7 @@ import pytest
 
 from jaxllmq.kernels.lm_head_loss import kernel_used, lm_head_loss, lm_head_loss_reference
 from jaxllmq.kernels.lm_head_mgpu import MosaicTiles
-from jaxllmq.kernels.lm_head_pallas import LmHeadPallasConfig
+from jaxllmq.kernels.lm_head_pallas import FALLBACK_PIECES, LmHeadPallasConfig
 
 # Small tiles so that the interpreter runs many of them: ragged vocab and hidden tiles, several
 # token groups and chunks.
@@ -108,12 +108,19 @@ def test_lm_head_loss_matches_reference(kw, dtype, n, d, v, z_loss):
     assert np.all(np.any(dh[np.asarray(m)] != 0, axis=1)), f"seed {seed}"
 
 
-@pytest.mark.parametrize("kw", IMPLS[2:])
+# 64-token chunks of 16-token tiles: the fallback goes through four pieces (the Mosaic kernel's
+# 128-token chunks of 64-row tiles, two; SMALL's 48 of 16, one).
+PIECES = pytest.param(
+    dict(impl="pallas", pallas_config=dataclasses.replace(SMALL, chunk_tokens=64)), id="pieces"
+)
+
+
+@pytest.mark.parametrize("kw", [*IMPLS[2:], PIECES])
 @pytest.mark.parametrize("loss", [70.0, 200.0])
 def test_tokens_past_qs_range_get_the_exact_gradient(kw, loss):
     """A token whose loss is past REFERENCE_RANGE (q relative to its target logit would leave
-    the float range; past 88 it is inf) takes its chunk's kernel again, relative to its
-    logsumexp: the gradient still matches the reference, finite."""
+    the float range; past 88 it is inf) takes its chunk's kernel again, piece by piece, relative
+    to its logsumexp: the gradient still matches the reference, finite."""
     seed = _seed()
     h, w, t, m = _inputs(100, 128, 512, jnp.bfloat16, seed, keep=1.0)
     logits = h.astype(jnp.float32) @ w.astype(jnp.float32)
@@ -310,7 +317,8 @@ def test_gradient_chunks_stay_under_2_31_logits(v, chunks):
         loss = lambda h, w: lm_head_loss(h, w, t, m, impl="pallas", interpret=True)
         return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(h, w)
 
-    # The scan over chunks: the one that carries the weight's fp32 gradient out.
+    # The scans that carry the weight's fp32 gradient out: the one over chunks, and inside it
+    # the fallback's over a chunk's pieces.
     text = str(jax.make_jaxpr(step)(h, w, t, m))
     lengths = re.findall(rf"f32\[64,{v}\][^=]*= scan\[\s*jaxpr=\w+\s*length=(\d+)", text)
-    assert lengths == [str(chunks)]
+    assert sorted(lengths) == sorted([str(chunks), str(FALLBACK_PIECES)])

@@ -14,8 +14,8 @@ per-token scale, exp(r - lse), so the two backward matmuls (dh = dlogits @ w^T, 
 dlogits, on cuBLAS) take q itself, the scale applied to h and to dh and the target's -1 written
 into q, with no pass over the [tokens, vocab] values between them. Where a token's target logit
 lies more than REFERENCE_RANGE below its logsumexp (a per-token loss above it), q could
-overflow: that chunk's kernel runs again with the logsumexp as the reference. q is written for
-one chunk of tokens at a time.
+overflow: that chunk's kernel runs again, piece by piece, with the logsumexp as the reference. q
+is written for one chunk of tokens at a time.
 """
 
 import dataclasses
@@ -186,6 +186,43 @@ def chunk_stats(h_c, w, t_c, cfg: LmHeadPallasConfig):
 REFERENCE_RANGE = 64.0
 
 
+# The pieces a chunk's tokens go through the fallback in (or fewer, each a multiple of the
+# kernel's token tiles): its second q, beside the first, is then an eighth of the chunk's.
+# Whole, it added a chunk's [tokens, vocab] q to the step's peak where the LM head sets it: 2.2
+# GiB for the 1B at 2 x 4096 a GPU on eight (compiled for H200s without a GPU).
+FALLBACK_PIECES = 8
+
+
+def _grads(q, reference, lse, h_c, t_c, c, z_factor, w, dw_acc):
+    """(d obj/dh, dw_acc + d obj/dw) of tokens whose q is relative to `reference`. d obj/d logits
+    = c * (softmax * z_factor - onehot), softmax = q * exp(reference - lse): a scale per token
+    times q, with the onehot divided by it added at the target."""
+    scale = c * z_factor * jnp.exp(reference - lse)
+    at_target = jnp.where(c != 0, -jnp.exp(lse - reference) / z_factor, 0.0)
+    target = (jnp.arange(q.shape[0]), t_c)
+    q = q.at[target].set((q[target].astype(jnp.float32) + at_target).astype(q.dtype))
+    dh = jnp.dot(q, w.T, preferred_element_type=jnp.float32) * scale[:, None]
+    h_scaled = (h_c.astype(jnp.float32) * scale[:, None]).astype(w.dtype)
+    return dh, dw_acc + jnp.dot(h_scaled.T, q, preferred_element_type=jnp.float32)
+
+
+def _grads_relative_to_lse(h_c, w, t_c, lse, c, z_factor, dw_acc, cfg: LmHeadPallasConfig):
+    """_grads with q relative to each token's logsumexp (its softmax), the chunk's kernel run
+    again piece by piece (FALLBACK_PIECES), the weight's gradient added up across them."""
+    n = h_c.shape[0]
+    pieces = math.gcd(FALLBACK_PIECES, n // cfg.rows) if n % cfg.rows == 0 else 1
+    split = lambda x: x.reshape(pieces, n // pieces, *x.shape[1:])  # noqa: E731
+
+    def piece(dw_acc, xs):
+        h_p, t_p, lse_p, c_p, z_p = xs
+        q = _tiles(h_p, w, t_p, cfg, lse_p)[2]
+        dh, dw_acc = _grads(q, lse_p, lse_p, h_p, t_p, c_p, z_p, w, dw_acc)
+        return dw_acc, dh
+
+    dw_acc, dh = lax.scan(piece, dw_acc, tuple(map(split, (h_c, t_c, lse, c, z_factor))))
+    return dh.reshape(n, -1), dw_acc
+
+
 def chunk_grads(h_c, w, t_c, m_c, dw_acc, z_loss: float, cfg: LmHeadPallasConfig):
     """(lse, target logit, d obj/dh [C, D] fp32, dw_acc + d obj/dw [D, V] fp32) of one chunk."""
     reference = _target_logits(h_c, w, t_c)
@@ -193,25 +230,13 @@ def chunk_grads(h_c, w, t_c, m_c, dw_acc, z_loss: float, cfg: LmHeadPallasConfig
     lse = jax.nn.logsumexp(lse_part, axis=0)
     c = m_c.astype(jnp.float32)
     z_factor = 1.0 + 2.0 * z_loss * lse
-
-    def grads(q, reference):
-        # d obj/d logits = m * (softmax * (1 + 2 z lse) - onehot), softmax = q * exp(reference -
-        # lse): a scale per token times q, with the onehot divided by it added at the target.
-        scale = c * z_factor * jnp.exp(reference - lse)
-        at_target = jnp.where(c != 0, -jnp.exp(lse - reference) / z_factor, 0.0)
-        target = (jnp.arange(q.shape[0]), t_c)
-        q = q.at[target].set((q[target].astype(jnp.float32) + at_target).astype(q.dtype))
-        dh = jnp.dot(q, w.T, preferred_element_type=jnp.float32) * scale[:, None]
-        h_scaled = (h_c.astype(jnp.float32) * scale[:, None]).astype(w.dtype)
-        return dh, dw_acc + jnp.dot(h_scaled.T, q, preferred_element_type=jnp.float32)
-
-    # A token whose loss exceeds the range: the whole chunk again, its q the softmax itself.
-    # (Each branch ends in the gradients, the weight's added up in place: a branch that returned
-    # q, or dw alone, would copy it.)
+    # A token whose loss exceeds the range: the chunk again, its q the softmax itself. (Each
+    # branch ends in the gradients, the weight's added up in place: a branch that returned q, or
+    # dw alone, would copy it.)
     far = jnp.max(lse - reference) > REFERENCE_RANGE
     dh, dw_acc = lax.cond(
         far,
-        lambda: grads(_tiles(h_c, w, t_c, cfg, lse)[2], lse),
-        lambda: grads(q, reference),
+        lambda: _grads_relative_to_lse(h_c, w, t_c, lse, c, z_factor, dw_acc, cfg),
+        lambda: _grads(q, reference, lse, h_c, t_c, c, z_factor, w, dw_acc),
     )
     return lse, tl, dh, dw_acc
