@@ -370,7 +370,7 @@ def build(
         in_shardings=(state_sharding, data_sharding),
         out_shardings=(state_sharding, rep),
         donate_argnums=0,
-        compiler_options=xla_flags.step_options(spec.scan_layers),
+        compiler_options=xla_flags.step_options(spec.scan_layers) or None,
     )
     eval_step = jax.jit(
         make_eval_step(graphdef, loss=loss, streams=streams),

@@ -1,7 +1,9 @@
-"""XLA GPU flags jaxllmq sets unless the user's XLA_FLAGS already name them.
+"""XLA GPU flags jaxllmq sets unless the user's XLA_FLAGS already name them, and the train
+step's compile options (step_options), on the same terms.
 
-Applied by the entry points before the backend starts (XLA reads XLA_FLAGS once). Each default is
-here because it was measured (docs/experiments/); set the flag in XLA_FLAGS to override it.
+The flags are applied by the entry points before the backend starts (XLA reads XLA_FLAGS once),
+the options by train_step.build. Each default is here because it was measured
+(docs/experiments/); set the flag in XLA_FLAGS to override it.
 
 Also the GPU client's pinned host memory pool (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, 64 GB unless
 set): host offload (jaxllmq/offload.py) keeps the fp32 master and Adam moments there, 12 bytes a
@@ -44,7 +46,8 @@ def _named(xla_flags: str) -> set[str]:
 
 def with_defaults(xla_flags: str, defaults: dict[str, str] = DEFAULTS) -> str:
     """`xla_flags` plus each default flag it does not set already."""
-    extra = [f"--{k}={v}" for k, v in defaults.items() if k not in _named(xla_flags)]
+    named = _named(xla_flags)
+    extra = [f"--{k}={v}" for k, v in defaults.items() if k not in named]
     return " ".join([xla_flags.strip(), *extra]).strip()
 
 
