@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxllmq.kernels import lm_head_pallas
 from jaxllmq.kernels.lm_head_loss import kernel_used, lm_head_loss, lm_head_loss_reference
 from jaxllmq.kernels.lm_head_mgpu import MosaicTiles
-from jaxllmq.kernels.lm_head_pallas import FALLBACK_PIECES, LmHeadPallasConfig
+from jaxllmq.kernels.lm_head_pallas import LmHeadPallasConfig
 
 # Small tiles so that the interpreter runs many of them: ragged vocab and hidden tiles, several
 # token groups and chunks.
@@ -108,26 +109,23 @@ def test_lm_head_loss_matches_reference(kw, dtype, n, d, v, z_loss):
     assert np.all(np.any(dh[np.asarray(m)] != 0, axis=1)), f"seed {seed}"
 
 
-# 64-token chunks of 16-token tiles: the fallback goes through four pieces (the Mosaic kernel's
-# 128-token chunks of 64-row tiles, two; SMALL's 48 of 16, one).
-PIECES = pytest.param(
-    dict(impl="pallas", pallas_config=dataclasses.replace(SMALL, chunk_tokens=64)), id="pieces"
-)
-
-
-@pytest.mark.parametrize("kw", [*IMPLS[2:], PIECES])
-@pytest.mark.parametrize("loss", [70.0, 200.0])
-def test_tokens_past_qs_range_get_the_exact_gradient(kw, loss):
-    """A token whose loss is past REFERENCE_RANGE (q relative to its target logit would leave
-    the float range; past 88 it is inf) takes its chunk's kernel again, piece by piece, relative
-    to its logsumexp: the gradient still matches the reference, finite."""
+@pytest.mark.parametrize("kw", IMPLS[2:])
+@pytest.mark.parametrize("loss, far_rows", [(70.0, None), (200.0, None), (200.0, 2)])
+def test_tokens_past_qs_range_get_the_exact_gradient(kw, loss, far_rows, monkeypatch):
+    """Tokens whose loss is past REFERENCE_RANGE (q relative to the target logit would leave the
+    float range; past 88 it is inf) get their rows of q again, exact, relative to their
+    logsumexp: the gradient still matches the reference, finite. With FAR_ROWS at 2, the five
+    such tokens take three iterations."""
+    if far_rows:
+        monkeypatch.setattr(lm_head_pallas, "FAR_ROWS", far_rows)
     seed = _seed()
     h, w, t, m = _inputs(100, 128, 512, jnp.bfloat16, seed, keep=1.0)
     logits = h.astype(jnp.float32) @ w.astype(jnp.float32)
-    # Token 5's logits stretched until its least likely target costs `loss`.
-    spread = logits[5].max() - logits[5].min()
-    h = h.at[5].multiply((loss / spread).astype(h.dtype))
-    t = t.at[5].set(jnp.argmin(logits[5]))
+    # Tokens 5-9's logits stretched until each one's least likely target costs `loss`.
+    for i in range(5, 10):
+        spread = logits[i].max() - logits[i].min()
+        h = h.at[i].multiply((loss / spread).astype(h.dtype))
+        t = t.at[i].set(jnp.argmin(logits[i]))
     got = _value_and_grad(0.0, **kw)(h, w, t, m)
     assert np.all(np.isfinite(np.asarray(got[1][0], np.float32))), seed
     _check(got, _referee(h, w, t, m, 0.0), jnp.bfloat16, seed)
@@ -232,8 +230,9 @@ def test_pallas_lowers_to_triton_for_gpu(d, v):
         return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(h, w)
 
     text = jax.jit(step).trace(h, w, t, m).lower(lowering_platforms=("cuda",)).as_text()
-    # The kernel inside the scan over chunks, and again where a token's loss is out of q's range.
-    assert text.count("__gpu$xla.gpu.triton") == 2
+    # The kernel inside the scan over chunks, once: tokens past q's range get their rows again
+    # from an XLA matmul, not from the kernel.
+    assert text.count("__gpu$xla.gpu.triton") == 1
 
 
 @pytest.mark.parametrize(
@@ -256,8 +255,8 @@ def test_mosaic_lowering_fits_the_gpu_at_real_shapes(d, v, kernel):
 
     text = jax.jit(step).trace(h, w, t, m).lower(lowering_platforms=("cuda",)).as_text()
     calls = {"mosaic": "custom_call @mosaic_gpu", "triton": "__gpu$xla.gpu.triton"}
-    # Twice: a chunk's kernel, and again where a token's loss is out of q's range.
-    assert {k: text.count(c) for k, c in calls.items()} == {k: 2 * (k == kernel) for k in calls}
+    # Once: a chunk's kernel (tokens past q's range get their rows again from an XLA matmul).
+    assert {k: text.count(c) for k, c in calls.items()} == {k: int(k == kernel) for k in calls}
     # What a run's plan reports (kernel_used; "pallas" is the Triton kernel) is what lowered.
     used = kernel_used("mosaic", d, v, jnp.bfloat16)
     assert used == ("mosaic" if kernel == "mosaic" else "pallas")
@@ -317,8 +316,7 @@ def test_gradient_chunks_stay_under_2_31_logits(v, chunks):
         loss = lambda h, w: lm_head_loss(h, w, t, m, impl="pallas", interpret=True)
         return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(h, w)
 
-    # The scans that carry the weight's fp32 gradient out: the one over chunks, and inside it
-    # the fallback's over a chunk's pieces.
+    # The scan over chunks: the one that carries the weight's fp32 gradient out.
     text = str(jax.make_jaxpr(step)(h, w, t, m))
     lengths = re.findall(rf"f32\[64,{v}\][^=]*= scan\[\s*jaxpr=\w+\s*length=(\d+)", text)
-    assert sorted(lengths) == sorted([str(chunks), str(FALLBACK_PIECES)])
+    assert lengths == [str(chunks)]
