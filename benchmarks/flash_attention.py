@@ -21,6 +21,7 @@ per head dim and --blocks setting, on a GPU or, with jax's CUDA plugin, on a mac
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import tempfile
@@ -96,29 +97,35 @@ def parse_blocks(spec: str, head_dim: int, seq_len: int = 0) -> fa.FlashBlocks:
     return dataclasses.replace(fa.default_blocks(head_dim, causal_len=seq_len), **changes)
 
 
+def _optional(flag: str, module: str, name: str, install: str):
+    """`name` from the optional package `module` that --`flag` times, or SystemExit saying how to
+    install it."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError:
+        raise SystemExit(
+            f"--{flag}: the package is not installed ({install}), or leave the flag out"
+        ) from None
+
+
 def jax_linear_attention_kernel(backward_mode: str, scale: float):
     """jax-linear-attention's flash attention with its `backward` mode ("ranged": dQ and dK/dV in
     two kernels; "fused": dQ added up in the dK/dV kernel), or SystemExit if it is not installed."""
-    try:
-        from jla.ops.mosaic_gpu.attention import flash_attention as attend
-    except ImportError:
-        raise SystemExit(
-            "--jax_linear_attention: the package is not installed "
-            "(pip install jax-linear-attention), or leave the flag out"
-        ) from None
+    attend = _optional(
+        "jax_linear_attention",
+        "jla.ops.mosaic_gpu.attention",
+        "flash_attention",
+        "pip install jax-linear-attention",
+    )
     return lambda q, k, v: attend(q, k, v, scale=scale, backward=backward_mode)
 
 
 def flash_attn3_kernel(scale: float, window: int | None = None):
     """FlashAttention-3's causal attention within `window` (its left bound counts the keys before
     the query: window - 1), or SystemExit if the package is not installed."""
-    try:
-        from dew_flash_attn import flash_mha
-    except ImportError:
-        raise SystemExit(
-            "--flash_attn3: the package is not installed (pip install dew-flash-attn-cu13), or "
-            "leave the flag out"
-        ) from None
+    flash_mha = _optional(
+        "flash_attn3", "dew_flash_attn", "flash_mha", "pip install dew-flash-attn-cu13"
+    )
     bound = (window - 1, 0) if window else (-1, -1)
     return lambda q, k, v: flash_mha(
         q, k, v, softmax_scale=scale, is_causal=True, window_size=bound
@@ -128,13 +135,7 @@ def flash_attn3_kernel(scale: float, window: int | None = None):
 def flash_attn4_kernel(scale: float, window: int | None = None):
     """FlashAttention-4's causal attention within `window` (its left bound counts the keys before
     the query: window - 1), or SystemExit if the package is not installed."""
-    try:
-        from fa4_jax import flash_attn
-    except ImportError:
-        raise SystemExit(
-            "--flash_attn4: the package is not installed (pip install 'fa4-jax[cu13]'), or "
-            "leave the flag out"
-        ) from None
+    flash_attn = _optional("flash_attn4", "fa4_jax", "flash_attn", "pip install 'fa4-jax[cu13]'")
     bound = (window - 1, 0) if window else None
     return lambda q, k, v: flash_attn(q, k, v, causal=True, window_size=bound, scale=scale)
 
