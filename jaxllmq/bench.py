@@ -292,7 +292,7 @@ def run_bench(
         "document_masking": data.document_masking,
         "documents_per_window": built.plan.documents_per_window,
         "deterministic": spec.deterministic,
-        "recompute": list(spec.recompute.names()) + (["block"] if spec.recompute.block else []),
+        "recompute": built.plan.recompute.labels(),  # what ran: a scan recomputes more
         "kernels": spec.kernels,
         "kernels_used": built.plan.kernels,  # what ran: auto resolved, fallbacks applied
         "lmhead_chunks": spec.lmhead_chunks,

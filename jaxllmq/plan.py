@@ -20,6 +20,7 @@ from jaxllmq.kernels.lm_head_loss import kernel_used
 from jaxllmq.model.architecture import ModelConfig, ModelConfigError
 from jaxllmq.model.attention import resolve_attention
 from jaxllmq.model.llama import abstract_model, can_fuse_qkv_grads
+from jaxllmq.model.recompute import Recompute
 from jaxllmq.offload import DEVICE, HOST, Offload
 from jaxllmq.parallel import rules
 from jaxllmq.parallel.mesh import DATA, FSDP, MESH_AXES, TENSOR
@@ -55,6 +56,7 @@ class Plan:
     fuse_qkv_grads: bool  # q/k/v's input gradient as one GEMM
     gather_embed_below: int  # micro-batch tokens below which the embedding backward gathers
     offload: Offload  # which parts of the train state live in pinned host memory
+    recompute: Recompute  # what the backward pass recomputes (Recompute.for_layers)
     # PartitionSpecs shaped like the params: each parameter's as parameter, gradient and
     # optimizer state (the ZeRO level's tables), and each layer weight's where it is used.
     param_specs: dict
@@ -90,6 +92,7 @@ class Plan:
         )
         on_host = [_OFFLOADED[k] for k, on in dataclasses.asdict(self.offload).items() if on]
         offload = f"{', '.join(on_host)} in pinned host memory" if on_host else "none"
+        recompute = ", ".join(self.recompute.labels()) or "nothing"
         return "\n".join(
             [
                 f"plan: {devices} {self.device_kind or self.platform} device(s), {mesh}, "
@@ -97,7 +100,7 @@ class Plan:
                 f"kernels: {kernels}; attention {attention}; q/k/v input gradients {qkv}",
                 f"params {split(self.param_specs)}, gradients {split(self.grad_specs)}, "
                 f"optimizer state {split(self.opt_specs)}; the embedding backward {embed}",
-                f"offload: {offload}",
+                f"offload: {offload}; the backward recomputes {recompute}",
             ]
         )
 
@@ -106,8 +109,9 @@ class Plan:
         record = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if not f.name.endswith("_specs") and f.name != "offload"
+            if not f.name.endswith("_specs") and f.name not in ("offload", "recompute")
         }
+        record["recompute"] = self.recompute.labels()
         record["offload"] = {
             part: HOST if on else DEVICE for part, on in dataclasses.asdict(self.offload).items()
         }
@@ -261,6 +265,7 @@ def make_plan(
         fuse_qkv_grads=tp == 1 and can_fuse_qkv_grads(spec.linear_dtype),
         gather_embed_below=gather_embed_below(model_cfg.vocab_size, shape, zero_level),
         offload=spec.offload,
+        recompute=spec.recompute.for_layers(spec.scan_layers, model_cfg.is_gemma),
         param_specs=rules.specs(axes, abstract, tables.params, mesh),
         grad_specs=rules.specs(axes, abstract, tables.grads, mesh),
         opt_specs=rules.specs(axes, abstract, tables.opt, mesh),

@@ -287,7 +287,7 @@ def build(
         scan_layers=spec.scan_layers,
         attention=plan.attention,
         norm_impl=plan.kernels["rms_norm"],
-        recompute=spec.recompute,
+        recompute=plan.recompute,
         linear_dtype=spec.linear_dtype,
         gradient_dtype=spec.gradient_dtype,
         fp8_quantizer=quantizer,

@@ -13,6 +13,7 @@ from jaxllmq.bench import synthetic_batch
 from jaxllmq.kernels import KERNELS
 from jaxllmq.model.architecture import preset
 from jaxllmq.model.families import FULL, SLIDING
+from jaxllmq.model.recompute import Recompute
 from jaxllmq.offload import Offload
 from jaxllmq.optim import OptimConfig
 from jaxllmq.parallel.mesh import MeshError, make_mesh
@@ -162,6 +163,27 @@ def test_record_and_description():
     lines = plan.describe().splitlines()
     assert lines[0] == "plan: 8 cpu device(s), data 1 x fsdp 4 x tensor 2, ZeRO-3"
     assert len(lines) == 4 and "params split over fsdp, tensor" in lines[2]
+
+
+def test_the_plan_names_what_the_backward_recomputes():
+    # Scanned layers recompute the SwiGLU product and the norms; unrolled ones what the switches
+    # name; Gemma's scanned layers, whose norms work in fp32, keep them as well.
+    gemma = dataclasses.replace(
+        preset("gemma-3-1b"), num_hidden_layers=2, layer_types=(SLIDING, FULL)
+    )
+    for cfg, scan, flags, recomputed in [
+        (TINY, True, {}, ["norm", "swiglu"]),
+        (TINY, False, {}, []),
+        (TINY, False, {"att": True}, ["qkv", "att"]),
+        (TINY, True, {"block": True}, ["norm", "qkv", "att", "ffn", "swiglu", "block"]),
+        (gemma, True, {}, []),
+    ]:
+        spec = dataclasses.replace(BF16, scan_layers=scan, recompute=Recompute(**flags))
+        plan = _plan(cfg=cfg, spec=spec, hardware=CPU)
+        assert plan.to_record()["recompute"] == recomputed, (cfg.architecture, scan, flags)
+        assert plan.describe().endswith(
+            f"the backward recomputes {', '.join(recomputed) or 'nothing'}"
+        )
 
 
 def test_a_plan_that_cannot_run_is_refused():

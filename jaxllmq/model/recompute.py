@@ -30,10 +30,12 @@ class Recompute(Settings):
 
     swiglu: bool = setting(
         False,
-        "Recompute the SwiGLU product in backward instead of storing it.",
+        "Recompute the SwiGLU product in backward instead of storing it (always, scanned).",
         flag="recompute_swiglu",
     )
-    norm: bool = setting(False, "Recompute the RMSNorm outputs in backward.", flag="recompute_norm")
+    norm: bool = setting(
+        False, "Recompute the RMSNorm outputs in backward (always, scanned).", flag="recompute_norm"
+    )
     ffn: bool = setting(
         False,
         "Recompute the MLP's gate/up projections (implies --recompute_swiglu).",
@@ -67,6 +69,22 @@ class Recompute(Settings):
         chosen = {NORM: self.norm, QKV: self.qkv, ATT: self.att, FFN: self.ffn, SWIGLU: self.swiglu}
         return tuple(name for name, on in chosen.items() if on)
 
+    def for_layers(self, scanned: bool, fp32_norms: bool) -> "Recompute":
+        """These switches as layers run them: scanned, with the SwiGLU product and the RMSNorm
+        outputs recomputed as well, unless the norms work in fp32 (Gemma's four a layer). A
+        scan keeps its layers' activations for the backward pass in stacked buffers, a copy
+        into them in the forward and out of them in the backward (its train step compiles
+        without XLA's dynamic-slice fusions, xla_flags.step_options). Recomputing these two
+        costs about what copying them does, and keeps 8-11 GiB less of the 1B's and Qwen3
+        1.7B's steps; Gemma 3 1B's step ran 4% slower (docs/PERFORMANCE.md)."""
+        if scanned and not fp32_norms:
+            return dataclasses.replace(self, swiglu=True, norm=True)
+        return self
+
+    def labels(self) -> list[str]:
+        """What is recomputed, for a person or a record: the switches' names, and "block"."""
+        return list(self.names()) + (["block"] if self.block else [])
+
     def saves_all(self) -> bool:
         """True when no policy applies: the backward pass keeps every activation."""
         return not (self.offload_residual or self.block or self.names())
@@ -78,7 +96,7 @@ class Recompute(Settings):
         array even where the constraint moves nothing; under ZeRO-3, gathered whole), slices,
         fp8 copies. A scan stacked them for the backward pass, a copy of every layer's weights
         (5.25 GiB of Qwen3 1.7B's peak in bf16 at 2 x 8192); the backward now makes them
-        again."""
+        again. (Scanned, only Gemma's layers keep everything: for_layers.)"""
         if self.offload_residual:
             kept = [] if self.block else [n for n in SAVED if n not in self.names() and n != RESID]
             policy = jax.checkpoint_policies.save_and_offload_only_these_names(
