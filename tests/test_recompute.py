@@ -40,8 +40,8 @@ def _value_and_grad(recompute: Recompute, scan: bool, cfg):
     return jax.jit(jax.value_and_grad(loss))
 
 
-def _loss_and_grads(recompute: Recompute, scan: bool, tokens):
-    return _value_and_grad(recompute, scan, CFG)(params_of(Llama(CFG, rngs=nnx.Rngs(0))), tokens)
+def _loss_and_grads(recompute: Recompute, scan: bool, tokens, cfg=CFG):
+    return _value_and_grad(recompute, scan, cfg)(params_of(Llama(cfg, rngs=nnx.Rngs(0))), tokens)
 
 
 def _temp_bytes(recompute: Recompute, tokens, cfg) -> int:
@@ -52,12 +52,27 @@ def _temp_bytes(recompute: Recompute, tokens, cfg) -> int:
     return lowered.compile().memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("scan", [True, False])
-@pytest.mark.parametrize("flag", ["swiglu", "norm", "ffn", "qkv", "att", "block"])
-def test_same_losses_and_grads(flag, scan):
-    tokens = np.random.default_rng().integers(0, CFG.vocab_size, (2, 65), dtype=np.int32)
-    loss0, g0 = _loss_and_grads(Recompute(), scan, tokens)
-    loss1, g1 = _loss_and_grads(Recompute(**{flag: True}), scan, tokens)
+QWEN3 = dataclasses.replace(CFG, architecture="Qwen3ForCausalLM")  # q and k normed per head
+GEMMA = dataclasses.replace(
+    CFG, architecture=GEMMA3, sliding_window=8, layer_types=(SLIDING, FULL),
+    query_pre_attn_scalar=16.0, rope_local_base_freq=1e4, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flag, scan, cfg",
+    [
+        (flag, scan, CFG)
+        for flag in ("swiglu", "norm", "ffn", "qkv", "att", "block")
+        for scan in (True, False)
+    ]
+    + [("swiglu", True, QWEN3), ("norm", False, QWEN3), ("norm", False, GEMMA)],
+)
+def test_same_losses_and_grads(flag, scan, cfg):
+    # Against the unrolled layers without a policy: scanned ones always recompute some.
+    tokens = np.random.default_rng().integers(0, cfg.vocab_size, (2, 65), dtype=np.int32)
+    loss0, g0 = _loss_and_grads(Recompute(), False, tokens, cfg)
+    loss1, g1 = _loss_and_grads(Recompute(**{flag: True}), scan, tokens, cfg)
     # The same arithmetic, but XLA fuses the checkpointed program differently, so fp32 sums may
     # round differently: the loss by an ulp at most, gradients by ~7e-7 relative per leaf (seen
     # on this model). A wrong recomputation would be off by orders of magnitude more.
@@ -86,22 +101,26 @@ def test_each_switch_keeps_less_memory():
     assert mem["att"] < mem["none"], mem
 
 
-def _matmuls(recompute: Recompute) -> int:
-    """dot ops in the compiled loss-and-gradient of the unrolled model."""
-    graphdef, _, _ = abstract_model(CFG, recompute=recompute, scan_layers=False, attention="xla")
-    params = params_of(Llama(CFG, rngs=nnx.Rngs(0)))
+def _matmuls(recompute: Recompute, cfg) -> int:
+    """Matrix products (dots of two-dimensional results: the linears and the LM head, not
+    XLA's attention) in the compiled loss-and-gradient of the unrolled model."""
+    graphdef, _, _ = abstract_model(cfg, recompute=recompute, scan_layers=False, attention="xla")
+    params = params_of(Llama(cfg, rngs=nnx.Rngs(0)))
     tokens = np.zeros((2, 33), np.int32)
     loss = lambda p: nnx.merge(graphdef, p).logits(tokens[:, :-1]).sum()  # noqa: E731
     text = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
-    return len(re.findall(r" dot\(", text))
+    return len(re.findall(r"= f32\[\d+,\d+\]\S* dot\(", text))
 
 
+@pytest.mark.parametrize("cfg", [CFG, QWEN3, GEMMA], ids=["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("flag", ["norm", "swiglu"])
-def test_cheap_switches_recompute_no_matmul(flag):
+def test_cheap_switches_recompute_no_matmul(flag, cfg):
     # Recomputing a norm or the SwiGLU product needs only saved activations: the post-attention
     # norm must read the residual under its saved name, not a sum the policy cannot keep (which
-    # would recompute the o_proj GEMM to rebuild it).
-    assert _matmuls(Recompute(**{flag: True})) == _matmuls(Recompute())
+    # would recompute the o_proj GEMM to rebuild it); Qwen3's and Gemma 3's q and k norms their
+    # projections under theirs (else the backward runs q_proj and k_proj again), and Gemma's
+    # norms of the sublayers' outputs the o_proj and down_proj products under theirs.
+    assert _matmuls(Recompute(**{flag: True}), cfg) == _matmuls(Recompute(), cfg)
 
 
 def _tiny_with_our_attention(recompute: Recompute | None = None):
@@ -139,10 +158,7 @@ def test_scanned_layers_keep_no_fp32_copies_of_their_activations(capsys):
 def test_scanned_gemma_keeps_no_fp32_rows_of_its_norms(capsys):
     # Gemma's four norms a layer work in fp32; autodiff kept their fp32 rows, which a scan
     # stacked for every layer (the 1B at 8 x 2048: 50.83 GiB peak, 42.18 without them).
-    cfg = dataclasses.replace(
-        CFG, architecture=GEMMA3, sliding_window=8, layer_types=(SLIDING, FULL),
-        query_pre_attn_scalar=16.0, rope_local_base_freq=1e4, tie_word_embeddings=True,
-    )  # fmt: skip
+    cfg = GEMMA
     graphdef, _, _ = abstract_model(cfg, scan_layers=True, attention="xla", dtype=jnp.bfloat16)
     params = params_of(Llama(cfg, rngs=nnx.Rngs(0), attention="xla", dtype=jnp.bfloat16))
     tokens = np.zeros((2, 33), np.int32)

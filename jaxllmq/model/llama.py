@@ -144,11 +144,16 @@ def decoder_layer(
         v = linear(h_BxTxD, w["v_proj"], "v_proj")
     if cfg.attention_bias:
         q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    q_BxTxNxH, k_BxTxKxH = q.reshape(B, T, N, H), k.reshape(B, T, K, H)
     if cfg.qk_norm:  # each head's q and k RMS-normalized, before RoPE (Qwen3, Gemma 3)
-        q = norm(q.reshape(B, T, N, H), "q_norm")
-        k = norm(k.reshape(B, T, K, H), "k_norm")
-    q_BxTxNxH = checkpoint_name(apply_rope(q.reshape(B, T, N, H), cos_BxTxH, sin_BxTxH), QKV)
-    k_BxTxKxH = checkpoint_name(apply_rope(k.reshape(B, T, K, H), cos_BxTxH, sin_BxTxH), QKV)
+        # A policy keeps the projections, which the norms' backward reads, and makes the normed
+        # and rotated q and k again from them (unnamed, the backward ran the projections again).
+        q_BxTxNxH = norm(checkpoint_name(q_BxTxNxH, QKV), "q_norm")
+        k_BxTxKxH = norm(checkpoint_name(k_BxTxKxH, QKV), "k_norm")
+    q_BxTxNxH = apply_rope(q_BxTxNxH, cos_BxTxH, sin_BxTxH)
+    k_BxTxKxH = apply_rope(k_BxTxKxH, cos_BxTxH, sin_BxTxH)
+    if not cfg.qk_norm:
+        q_BxTxNxH, k_BxTxKxH = checkpoint_name(q_BxTxNxH, QKV), checkpoint_name(k_BxTxKxH, QKV)
     v_BxTxKxH = checkpoint_name(v.reshape(B, T, K, H), QKV)
     o_BxTxNxH, cache = attend(
         q_BxTxNxH,
@@ -168,6 +173,9 @@ def decoder_layer(
     else:
         o_BxTxD = linear(o_BxTxNxH.reshape(B, T, N * H), w["o_proj"], "o_proj")
     if cfg.is_gemma:
+        # Gemma's sublayer outputs are normed before the add, and those norms' backward reads the
+        # products: named, a policy keeps them (unnamed, it ran o_proj and down_proj again).
+        o_BxTxD = checkpoint_name(o_BxTxD, ATT)
         x_BxTxD = checkpoint_name(x_BxTxD + norm(o_BxTxD, "post_attention_layernorm"), RESID)
         h_BxTxD = norm(x_BxTxD, "pre_feedforward_layernorm")
     elif fuse_residual_norm:
@@ -188,7 +196,7 @@ def decoder_layer(
     swiglu_BxTxF = checkpoint_name(gated_activation(act, gate_BxTxF, up_BxTxF), SWIGLU)
     mlp_BxTxD = linear(swiglu_BxTxF, w["down_proj"], "down_proj")
     if cfg.is_gemma:
-        mlp_BxTxD = norm(mlp_BxTxD, "post_feedforward_layernorm")
+        mlp_BxTxD = norm(checkpoint_name(mlp_BxTxD, FFN), "post_feedforward_layernorm")
     return x_BxTxD + mlp_BxTxD, cache
 
 

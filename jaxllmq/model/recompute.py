@@ -69,15 +69,16 @@ class Recompute(Settings):
         chosen = {NORM: self.norm, QKV: self.qkv, ATT: self.att, FFN: self.ffn, SWIGLU: self.swiglu}
         return tuple(name for name, on in chosen.items() if on)
 
-    def for_layers(self, scanned: bool, fp32_norms: bool) -> "Recompute":
+    def for_layers(self, scanned: bool, gemma: bool) -> "Recompute":
         """These switches as layers run them: scanned, with the SwiGLU product and the RMSNorm
-        outputs recomputed as well, unless the norms work in fp32 (Gemma's four a layer). A
-        scan keeps its layers' activations for the backward pass in stacked buffers, a copy
-        into them in the forward and out of them in the backward (its train step compiles
-        without XLA's dynamic-slice fusions, xla_flags.step_options). Recomputing these two
-        costs about what copying them does, and keeps 8-11 GiB less of the 1B's and Qwen3
-        1.7B's steps; Gemma 3 1B's step ran 4% slower (docs/PERFORMANCE.md)."""
-        if scanned and not fp32_norms:
+        outputs recomputed as well (not Gemma's, below). A scan keeps its layers' activations
+        for the backward pass in stacked buffers, a copy into them in the forward and out of
+        them in the backward (its train step compiles without XLA's dynamic-slice fusions,
+        xla_flags.step_options). Recomputing these two costs about what copying them does, and
+        keeps 8-11 GiB less of the 1B's and Qwen3 1.7B's steps. Gemma 3 1B's step ran 4% slower
+        with them, when every policy also ran its o_proj and down_proj again in the backward:
+        Gemma's layers keep them until that is timed without (docs/PERFORMANCE.md)."""
+        if scanned and not gemma:
             return dataclasses.replace(self, swiglu=True, norm=True)
         return self
 
