@@ -167,7 +167,7 @@ def test_record_and_description():
 
 def test_the_plan_names_what_the_backward_recomputes():
     # Scanned layers recompute the SwiGLU product and the norms; unrolled ones what the switches
-    # name; Gemma's scanned layers, whose norms work in fp32, keep them as well.
+    # name; Gemma's scanned layers keep them (Recompute.for_layers).
     gemma = dataclasses.replace(
         preset("gemma-3-1b"), num_hidden_layers=2, layer_types=(SLIDING, FULL)
     )

@@ -30,11 +30,14 @@ class Recompute(Settings):
 
     swiglu: bool = setting(
         False,
-        "Recompute the SwiGLU product in backward instead of storing it (always, scanned).",
+        "Recompute the SwiGLU product in backward instead of storing it (scanned layers always "
+        "do, but Gemma's).",
         flag="recompute_swiglu",
     )
     norm: bool = setting(
-        False, "Recompute the RMSNorm outputs in backward (always, scanned).", flag="recompute_norm"
+        False,
+        "Recompute the RMSNorm outputs in backward (scanned layers always do, but Gemma's).",
+        flag="recompute_norm",
     )
     ffn: bool = setting(
         False,
