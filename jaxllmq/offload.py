@@ -183,6 +183,8 @@ class Streams:
     ) -> tuple[dict, optax.OptState, jax.Array]:
         """(params, opt_state, grad norm) after one optimizer step on grad_sums / denom, applied
         one layer at a time."""
+        from jaxllmq.optim import apply_updates  # not at the top: optim's settings import this
+
         grads = jax.tree.map(lambda g: g / denom, grad_sums)
         norm = optax.tree.norm(grads)
         param_flags, state_flags = _is_layer(params), self._flags(opt_state, params)
@@ -197,7 +199,7 @@ class Streams:
             # does on the device, and the update's arithmetic stays the same, bit for bit.
             g = jax.tree.map(lambda x, f: pick(x, f, None) / denom, grad_sums, param_flags)
             u, st = self.optimizer.update(g, st, p, grad_norm=norm)
-            return optax.apply_updates(p, u), st
+            return apply_updates(p, u, st), st
 
         def home(tree, flags, shardings, layer: bool):
             send = lambda x, f, s: self._to_home(x, s, layer) if f is layer else x

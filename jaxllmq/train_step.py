@@ -24,6 +24,7 @@ from jaxllmq.model.architecture import ModelConfig
 from jaxllmq.model.llama import Llama, abstract_model, params_of
 from jaxllmq.offload import Streams, check_supported, place_opt, place_params
 from jaxllmq.optim import (
+    apply_updates,
     lr_schedule,
     make_optimizer,
     nonfinite_counts,
@@ -173,7 +174,7 @@ def make_train_step(
             updates, opt_state = optimizer.update(
                 grads, state.opt_state, state.params, grad_norm=norm
             )
-            params = optax.apply_updates(state.params, updates)
+            params = apply_updates(state.params, updates, opt_state)
             if gather_params is not None:
                 params = gather_params(params)
         else:

@@ -45,7 +45,7 @@ def _tree(seed: int, scale: float = 1.0) -> dict:
 def _jit_step(opt: optax.GradientTransformation, donate: bool = False):
     def step(params, state, grads):
         updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+        return optim.apply_updates(params, updates, state), state
 
     return jax.jit(step, donate_argnums=(0, 1) if donate else ())
 
@@ -286,3 +286,37 @@ def test_nonfinite_step_is_skipped_and_counted():
     assert int(s.inner[1].count) == 2
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves((p, s)))
     assert not np.allclose(np.asarray(p["lm_head"]), before[0]["lm_head"])
+
+
+def _equations(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs inside its equations (jit, where, ...)."""
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            inner = getattr(v, "jaxpr", v)
+            if hasattr(inner, "eqns"):
+                yield from _equations(inner)
+
+
+def test_the_step_makes_no_zero_updates():
+    """A skipped step keeps the parameters by a select on them (apply_updates), not by zeroed
+    updates. A zero array of a parameter's shape in the update is what XLA merged with the
+    scanned backward's zeroed gradient stacks, which then had to be written in full."""
+    cfg = optim.OptimConfig(lr=1e-2, weight_decay=0.1)
+    opt = optim.make_optimizer(cfg, 10, AXES)
+    params = _tree(0)
+
+    def step(p, s, g, norm):  # the norm given, as the train step gives it
+        updates, s = opt.update(g, s, p, grad_norm=norm)
+        return optim.apply_updates(p, updates, s), s
+
+    jaxpr = jax.make_jaxpr(step)(params, opt.init(params), _tree(1), jnp.float32(2.0)).jaxpr
+    shapes = {tuple(x.shape) for x in jax.tree.leaves(params)}
+    zeros = [
+        e
+        for e in _equations(jaxpr)
+        if e.primitive.name == "broadcast_in_dim"
+        and tuple(e.params["shape"]) in shapes
+        and getattr(e.invars[0], "val", None) == 0
+    ]
+    assert not zeros, zeros
