@@ -220,7 +220,7 @@ def apply_updates(params, updates, opt_state: OptState):
     gradient stacks, which then had to be written (the 1B's default step: 2.3 GiB more at its
     peak, and 6 GiB of zeros that XLA's zero-init elimination could no longer drop)."""
     taken = opt_state.nonfinite_consecutive == 0
-    new = lambda p, u: jnp.where(taken, (p + u).astype(p.dtype), p)  # noqa: E731
+    new = lambda p, u: jnp.where(taken, (p + u).astype(p.dtype), p)
     return jax.tree.map(new, params, updates)
 
 
