@@ -265,7 +265,7 @@ def make_plan(
         fuse_qkv_grads=tp == 1 and can_fuse_qkv_grads(spec.linear_dtype),
         gather_embed_below=gather_embed_below(model_cfg.vocab_size, shape, zero_level),
         offload=spec.offload,
-        recompute=spec.recompute.for_layers(spec.scan_layers, model_cfg.is_gemma),
+        recompute=spec.recompute.for_layers(spec.scan_layers),
         param_specs=rules.specs(axes, abstract, tables.params, mesh),
         grad_specs=rules.specs(axes, abstract, tables.grads, mesh),
         opt_specs=rules.specs(axes, abstract, tables.opt, mesh),

@@ -166,8 +166,8 @@ def test_record_and_description():
 
 
 def test_the_plan_names_what_the_backward_recomputes():
-    # Scanned layers recompute the SwiGLU product and the norms; unrolled ones what the switches
-    # name; Gemma's scanned layers keep them (Recompute.for_layers).
+    # Scanned layers recompute the SwiGLU product and the norms, Gemma's too; unrolled ones what
+    # the switches name (Recompute.for_layers).
     gemma = dataclasses.replace(
         preset("gemma-3-1b"), num_hidden_layers=2, layer_types=(SLIDING, FULL)
     )
@@ -176,7 +176,7 @@ def test_the_plan_names_what_the_backward_recomputes():
         (TINY, False, {}, []),
         (TINY, False, {"att": True}, ["qkv", "att"]),
         (TINY, True, {"block": True}, ["norm", "qkv", "att", "ffn", "swiglu", "block"]),
-        (gemma, True, {}, []),
+        (gemma, True, {}, ["norm", "swiglu"]),
     ]:
         spec = dataclasses.replace(BF16, scan_layers=scan, recompute=Recompute(**flags))
         plan = _plan(cfg=cfg, spec=spec, hardware=CPU)

@@ -51,8 +51,12 @@ def test_deterministic_adds_xla_deterministic_ops_unless_the_user_set_them(monke
 
 
 def test_a_scanned_step_compiles_without_dynamic_slice_fusions_unless_the_user_says(monkeypatch):
+    zeros = "xla_gpu_enable_dus_accumulator_zero_init_elimination"
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
-    assert step_options(scan_layers=True) == {"xla_gpu_enable_dynamic_slice_fusion": False}
+    assert step_options(scan_layers=True) == {
+        "xla_gpu_enable_dynamic_slice_fusion": False,
+        zeros: True,
+    }
     assert step_options(scan_layers=False) == {}  # unrolled: XLA's default
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_dynamic_slice_fusion=true")
-    assert step_options(scan_layers=True) == {}
+    assert step_options(scan_layers=True) == {zeros: True}

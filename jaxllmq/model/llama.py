@@ -247,7 +247,7 @@ class Llama(nnx.Module):
         # Attention gradients bit-identical from run to run (--deterministic; attend's).
         self.deterministic_attention = deterministic_attention
         self.norm_impl = norm_impl  # RMSNorm: "xla" or "pallas" (kernels.resolve_impl)
-        self.recompute = (recompute or Recompute()).for_layers(scan_layers, cfg.is_gemma)
+        self.recompute = (recompute or Recompute()).for_layers(scan_layers)
         # Sharding hooks (parallel/): `constrain` pins the activations' sharding at block
         # boundaries; `gather_layer` gives one layer's weights their compute sharding (under
         # ZeRO-3 that is the per-layer all-gather).

@@ -13,7 +13,6 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 
 from jaxllmq.setting import Settings, setting
 
@@ -31,12 +30,12 @@ class Recompute(Settings):
     swiglu: bool = setting(
         False,
         "Recompute the SwiGLU product in backward instead of storing it (scanned layers always "
-        "do, but Gemma's).",
+        "do).",
         flag="recompute_swiglu",
     )
     norm: bool = setting(
         False,
-        "Recompute the RMSNorm outputs in backward (scanned layers always do, but Gemma's).",
+        "Recompute the RMSNorm outputs in backward (scanned layers always do).",
         flag="recompute_norm",
     )
     ffn: bool = setting(
@@ -72,16 +71,15 @@ class Recompute(Settings):
         chosen = {NORM: self.norm, QKV: self.qkv, ATT: self.att, FFN: self.ffn, SWIGLU: self.swiglu}
         return tuple(name for name, on in chosen.items() if on)
 
-    def for_layers(self, scanned: bool, gemma: bool) -> "Recompute":
+    def for_layers(self, scanned: bool) -> "Recompute":
         """These switches as layers run them: scanned, with the SwiGLU product and the RMSNorm
-        outputs recomputed as well (not Gemma's, below). A scan keeps its layers' activations
-        for the backward pass in stacked buffers, a copy into them in the forward and out of
-        them in the backward (its train step compiles without XLA's dynamic-slice fusions,
-        xla_flags.step_options). Recomputing these two costs about what copying them does, and
-        keeps 8-11 GiB less of the 1B's and Qwen3 1.7B's steps. Gemma 3 1B's step ran 4% slower
-        with them, when every policy also ran its o_proj and down_proj again in the backward:
-        Gemma's layers keep them until that is timed without (docs/PERFORMANCE.md)."""
-        if scanned and not gemma:
+        outputs recomputed as well. A scan keeps its layers' activations for the backward pass
+        in stacked buffers, a copy into them in the forward and out of them in the backward
+        (its train step compiles without XLA's dynamic-slice fusions, xla_flags.step_options).
+        Recomputing these two costs about what copying them does, and keeps 8-11 GiB less of
+        the 1B's and Qwen3 1.7B's steps; Gemma 3 1B's ran 3.4% faster with them and kept 8.4
+        GiB less (docs/PERFORMANCE.md)."""
+        if scanned:
             return dataclasses.replace(self, swiglu=True, norm=True)
         return self
 
@@ -94,13 +92,8 @@ class Recompute(Settings):
         return not (self.offload_residual or self.block or self.names())
 
     def wrap(self, layer: Callable, *, scanned: bool) -> Callable:
-        """`layer` under jax.checkpoint with this policy. When nothing is recomputed: unchanged
-        if unrolled; if `scanned`, under a policy that keeps everything but copies
-        (_all_but_copies): each layer's weights as its sharding constraint gives them (a new
-        array even where the constraint moves nothing; under ZeRO-3, gathered whole), slices,
-        fp8 copies. A scan stacked them for the backward pass, a copy of every layer's weights
-        (5.25 GiB of Qwen3 1.7B's peak in bf16 at 2 x 8192); the backward now makes them
-        again. (Scanned, only Gemma's layers keep everything: for_layers.)"""
+        """`layer` under jax.checkpoint with this policy (unchanged when nothing is
+        recomputed: only unrolled layers, as scanned ones recompute some, for_layers)."""
         if self.offload_residual:
             kept = [] if self.block else [n for n in SAVED if n not in self.names() and n != RESID]
             policy = jax.checkpoint_policies.save_and_offload_only_these_names(
@@ -111,23 +104,10 @@ class Recompute(Settings):
             )
         elif self.block:
             policy = jax.checkpoint_policies.nothing_saveable
-        elif self.saves_all() and not scanned:
-            return layer
         elif self.saves_all():
-            policy = _all_but_copies
+            return layer
         else:
             kept = [name for name in SAVED if name not in self.names()]
             policy = jax.checkpoint_policies.save_only_these_names(*kept)
         # Inside a scan, CSE cannot merge the recomputation into the forward: no barrier needed.
         return jax.checkpoint(layer, policy=policy, prevent_cse=not scanned)
-
-
-def _all_but_copies(primitive, *_, **params) -> bool:
-    """A jax.checkpoint policy: everything may be saved but copies the backward makes again from
-    what they copy: what a sharding constraint makes, slices (a layer's weights taken from its
-    group's, in a scan over groups of layers), and one-byte copies (fp8 linears' quantized
-    operands: saved under this policy, the gradients came out non-finite, on CPU with jax 0.10;
-    quantized again in the backward, they train as without the policy)."""
-    if primitive.name == "convert_element_type":
-        return jnp.dtype(params["new_dtype"]).itemsize > 1
-    return primitive.name not in ("sharding_constraint", "slice", "squeeze")
