@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jaxprs import equations
 
 from jaxllmq import optim
 
@@ -288,16 +289,6 @@ def test_nonfinite_step_is_skipped_and_counted():
     assert not np.allclose(np.asarray(p["lm_head"]), before[0]["lm_head"])
 
 
-def _equations(jaxpr):
-    """Every equation of `jaxpr` and of the jaxprs inside its equations (jit, where, ...)."""
-    for e in jaxpr.eqns:
-        yield e
-        for v in e.params.values():
-            inner = getattr(v, "jaxpr", v)
-            if hasattr(inner, "eqns"):
-                yield from _equations(inner)
-
-
 def test_the_step_makes_no_zero_updates():
     """A skipped step keeps the parameters by a select on them (apply_updates), not by zeroed
     updates. A zero array of a parameter's shape in the update is what XLA merged with the
@@ -314,7 +305,7 @@ def test_the_step_makes_no_zero_updates():
     shapes = {tuple(x.shape) for x in jax.tree.leaves(params)}
     zeros = [
         e
-        for e in _equations(jaxpr)
+        for e in equations(jaxpr)
         if e.primitive.name == "broadcast_in_dim"
         and tuple(e.params["shape"]) in shapes
         and getattr(e.invars[0], "val", None) == 0

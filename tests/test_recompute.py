@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jaxprs import equations
 
 from jaxllmq.model import attention
 from jaxllmq.model.architecture import preset
@@ -171,15 +172,10 @@ def test_scanned_gemma_keeps_no_fp32_rows_of_its_norms(capsys):
 def _calls_named(jaxpr, name: str) -> int:
     """How many jitted calls named `name` `jaxpr` makes that return something (tracing leaves
     an empty one behind), inside loops and remat too."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name == "jit" and eqn.params["name"] == name and bool(eqn.outvars)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    count += _calls_named(inner, name)
-    return count
+    return sum(
+        e.primitive.name == "jit" and e.params["name"] == name and bool(e.outvars)
+        for e in equations(jaxpr)
+    )
 
 
 @pytest.mark.parametrize("switch, forwards", [("swiglu", 1), ("att", 2)])
