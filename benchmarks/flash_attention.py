@@ -91,9 +91,10 @@ flags.DEFINE_bool(
 
 def parse_blocks(spec: str, head_dim: int, seq_len: int = 0) -> fa.FlashBlocks:
     """The default tiles of causal attention at this head dim and sequence length (what the
-    model runs) with the fields of 'field=value,...' changed (empty: the defaults)."""
+    model runs) with the fields of 'field=value,...' changed (empty: the defaults; 'none' for
+    dkv_section: as many pairs as DKV_SECTION_BYTES of queries and dO hold)."""
     fields = dict(item.split("=") for item in spec.split(",") if item)
-    changes = {name: int(value) for name, value in fields.items()}
+    changes = {name: None if value == "none" else int(value) for name, value in fields.items()}
     return dataclasses.replace(fa.default_blocks(head_dim, causal_len=seq_len), **changes)
 
 

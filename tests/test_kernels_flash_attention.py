@@ -414,13 +414,19 @@ def test_the_forward_takes_256_key_tiles_for_long_plain_causal_attention_at_head
 
 
 def test_dq_is_added_up_in_dkv_at_128_only_on_the_gpus_where_that_was_faster():
-    def fused(kind, head_dim=128, **kw):
-        return fa.default_blocks(head_dim, causal_len=2048, device_kind=kind, **kw).dq_in_dkv
+    def blocks(kind, head_dim=128, **kw):
+        return fa.default_blocks(head_dim, causal_len=2048, device_kind=kind, **kw)
 
-    assert fused("NVIDIA H200") and fused("NVIDIA H200 NVL")
-    assert not fused(H100_KIND) and not fused("NVIDIA GH200 480GB") and not fused("cpu")
-    assert not fused("NVIDIA H200", deterministic=True)
-    assert fused(H100_KIND, head_dim=64)  # at 64 on both
+    def fused(kind, head_dim=128, **kw):
+        return blocks(kind, head_dim, **kw).dq_in_dkv
+
+    assert fused("NVIDIA H200") and fused("NVIDIA H200 NVL") and fused(H100_KIND)
+    assert not fused("NVIDIA GH200 480GB") and not fused("cpu")
+    assert not fused("NVIDIA H200", deterministic=True) and not fused(H100_KIND, deterministic=True)
+    assert fused("NVIDIA A100-SXM4-80GB", head_dim=64)  # at 64 on every GPU
+    # The H200 in one section, the H100 in sections of DKV_SECTION_BYTES; the two kernels in one.
+    assert blocks("NVIDIA H200").dkv_section == 0 and blocks(H100_KIND).dkv_section is None
+    assert blocks(H100_KIND, deterministic=True).dkv_section == 0
     # Lowered on a CPU for a GPU, the kernels take an H200's tiles, as for its SM count.
     assert fa.kernel_device_kind() == "NVIDIA H200"
     assert fa.default_blocks(128, causal_len=2048) == fa.default_blocks(
