@@ -43,9 +43,9 @@ WIDE_KEY_TILES_FROM = 4096
 # (by column halves), measured faster there than dQ's own kernel, and the dK/dV sections it runs
 # in there (FlashBlocks.dkv_section). On an H200, in one section: level at 8 x 2048 and 4.5-6%
 # faster at 4 x 4096 and 2 x 8192. On an H100 one section took 1.05-1.33x as long as the two
-# kernels, its dQ sums (fp32, 5-10x the L2) written back and forth; in sections of
-# DKV_SECTION_BYTES of queries and dO, which keep fewer of them in flight, 1-6.5% less than the
-# two kernels. Other GPUs, measured or not, run the two.
+# kernels, every CTA adding into dQ's fp32 sums at once (256 MiB at 16,384 tokens and 32 query
+# heads, five times the L2); in sections of DKV_SECTION_BYTES of queries and dO, whose dQ sums
+# fit the L2, 1-6.5% less than the two kernels. Other GPUs, measured or not, run the two.
 DQ_BY_HALVES_SECTIONS = {"H200": 0, "H100": None}
 # The query and dO bytes of a dK/dV section: well inside an H200's 50 MB of L2.
 DKV_SECTION_BYTES = 32 << 20
