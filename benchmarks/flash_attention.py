@@ -94,6 +94,8 @@ def parse_blocks(spec: str, head_dim: int, seq_len: int = 0) -> fa.FlashBlocks:
     model runs) with the fields of 'field=value,...' changed (empty: the defaults; 'none' for
     dkv_section: as many pairs as DKV_SECTION_BYTES of queries and dO hold)."""
     fields = dict(item.split("=") for item in spec.split(",") if item)
+    if any(value == "none" and name != "dkv_section" for name, value in fields.items()):
+        raise ValueError(f"--blocks={spec}: 'none' is a value of dkv_section only")
     changes = {name: None if value == "none" else int(value) for name, value in fields.items()}
     return dataclasses.replace(fa.default_blocks(head_dim, causal_len=seq_len), **changes)
 

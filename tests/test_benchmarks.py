@@ -127,6 +127,9 @@ def test_the_flash_bench_times_the_tiles_the_model_runs():
     assert fa.default_blocks(64).dq_in_dkv
     want = dataclasses.replace(fa.default_blocks(128), stages=3)
     assert flash_attention.parse_blocks("stages=3", 128) == want != fa.FlashBlocks(stages=3)
+    assert flash_attention.parse_blocks("dkv_section=none", 128).dkv_section is None
+    with pytest.raises(ValueError, match="dkv_section only"):
+        flash_attention.parse_blocks("stages=none", 128)
 
 
 def test_the_flash_bench_reports_the_largest_and_the_whole_tensors_error():
