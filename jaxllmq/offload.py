@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxllmq.optim import apply_updates
 from jaxllmq.setting import Settings, setting
 
 HOST, DEVICE = "pinned_host", "device"
@@ -183,8 +184,6 @@ class Streams:
     ) -> tuple[dict, optax.OptState, jax.Array]:
         """(params, opt_state, grad norm) after one optimizer step on grad_sums / denom, applied
         one layer at a time."""
-        from jaxllmq.optim import apply_updates  # not at the top: optim's settings import this
-
         grads = jax.tree.map(lambda g: g / denom, grad_sums)
         norm = optax.tree.norm(grads)
         param_flags, state_flags = _is_layer(params), self._flags(opt_state, params)

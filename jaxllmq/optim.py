@@ -6,14 +6,18 @@ included, so the schedule follows the training step even after a skip; Adam's ow
 correction) advances only on applied updates.
 """
 
-from typing import NamedTuple
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from jaxllmq.dtypes import DTYPES
-from jaxllmq.settings import OptimConfig
+
+if TYPE_CHECKING:  # annotations only: settings imports offload's section, and offload this
+    from jaxllmq.settings import OptimConfig
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

@@ -11,6 +11,7 @@ import pytest
 from jaxprs import equations
 
 from jaxllmq import optim
+from jaxllmq.settings import OptimConfig
 
 AXES = {
     "embed_tokens": ("vocab", "embed"),
@@ -69,7 +70,7 @@ def _base(kind: str, t: float) -> float:
 
 @pytest.mark.parametrize("kind", ["cosine", "linear", "wsd"])
 def test_schedule_values(kind):
-    cfg = optim.OptimConfig(lr=LR, warmup=W, cooldown=C, final_lr_fraction=FRAC, lr_schedule=kind)
+    cfg = OptimConfig(lr=LR, warmup=W, cooldown=C, final_lr_fraction=FRAC, lr_schedule=kind)
     sched = jax.jit(optim.lr_schedule(cfg, N))
     b0 = _base(kind, T0)
     t_mid = (W + T0) // 2  # inside the decay, before the cooldown
@@ -96,21 +97,21 @@ def test_schedule_values(kind):
 
 @pytest.mark.parametrize("kind", ["cosine", "linear"])
 def test_schedule_without_cooldown_ends_at_fraction(kind):
-    cfg = optim.OptimConfig(lr=LR, warmup=W, final_lr_fraction=FRAC, lr_schedule=kind)
+    cfg = OptimConfig(lr=LR, warmup=W, final_lr_fraction=FRAC, lr_schedule=kind)
     sched = optim.lr_schedule(cfg, N)
     assert float(sched(N)) == pytest.approx(END, rel=1e-5)
     assert float(sched(W + (N - W) // 2)) == pytest.approx((LR + END) / 2, rel=1e-5)
 
 
 def test_schedule_is_monotone_after_warmup():
-    cfg = optim.OptimConfig(lr=LR, warmup=W, cooldown=C, final_lr_fraction=FRAC)
+    cfg = OptimConfig(lr=LR, warmup=W, cooldown=C, final_lr_fraction=FRAC)
     lrs = np.asarray(jax.jit(jax.vmap(optim.lr_schedule(cfg, N)))(jnp.arange(N + 1)))
     assert np.all(np.diff(lrs[: W + 1]) > 0)
     assert np.all(np.diff(lrs[W:]) <= 1e-12)
 
 
 def test_schedule_rejects_too_short_run():
-    cfg = optim.OptimConfig(warmup=600, cooldown=500)
+    cfg = OptimConfig(warmup=600, cooldown=500)
     with pytest.raises(ValueError, match="--warmup.*--cooldown"):
         optim.lr_schedule(cfg, 1000)
 
@@ -139,12 +140,12 @@ def test_schedule_rejects_too_short_run():
 )
 def test_bad_config_names_the_flag(field, value):
     with pytest.raises(ValueError, match=f"--{field}"):
-        optim.OptimConfig(**{field: value})
+        OptimConfig(**{field: value})
 
 
 def test_wsd_fraction_needs_cooldown():
     with pytest.raises(ValueError, match="--cooldown"):
-        optim.OptimConfig(lr_schedule="wsd", final_lr_fraction=0.1)
+        OptimConfig(lr_schedule="wsd", final_lr_fraction=0.1)
 
 
 # --- weight-decay mask ------------------------------------------------------------------------
@@ -187,7 +188,7 @@ def _numpy_adamw(params, grads_seq, cfg, lrs, mask):
 
 
 def test_adamw_matches_numpy():
-    cfg = optim.OptimConfig(lr=1e-2, warmup=2, weight_decay=0.1, grad_clip=1.0, beta_2=0.99)
+    cfg = OptimConfig(lr=1e-2, warmup=2, weight_decay=0.1, grad_clip=1.0, beta_2=0.99)
     total = 10
     opt = optim.make_optimizer(cfg, total, AXES)
     params = _tree(0)
@@ -214,7 +215,7 @@ def test_adamw_matches_numpy():
 
 
 def test_no_clip_no_decay_chain():
-    cfg = optim.OptimConfig(lr=1e-3, grad_clip=0.0, weight_decay=0.0)
+    cfg = OptimConfig(lr=1e-3, grad_clip=0.0, weight_decay=0.0)
     opt = optim.make_optimizer(cfg, 5, AXES)
     params = _tree(0)
     grads = _tree(1, 100.0)
@@ -225,7 +226,7 @@ def test_no_clip_no_decay_chain():
 
 
 def test_bf16_moments_track_fp32():
-    base = optim.OptimConfig(lr=1e-2, weight_decay=0.1)
+    base = OptimConfig(lr=1e-2, weight_decay=0.1)
     low = dataclasses.replace(base, opt_m_dtype="bfloat16", opt_v_dtype="bfloat16")
     params = _tree(0)
     results = []
@@ -248,7 +249,7 @@ def test_bf16_moments_track_fp32():
 
 
 def test_mixed_moment_dtypes():
-    cfg = optim.OptimConfig(opt_m_dtype="bfloat16", opt_v_dtype="float32")
+    cfg = OptimConfig(opt_m_dtype="bfloat16", opt_v_dtype="float32")
     state = optim.make_optimizer(cfg, 5, AXES).init(_tree(0))
     adam = state.inner[1]
     assert {x.dtype for x in jax.tree.leaves(adam.mu)} == {jnp.dtype(jnp.bfloat16)}
@@ -259,7 +260,7 @@ def test_mixed_moment_dtypes():
 
 
 def test_nonfinite_step_is_skipped_and_counted():
-    cfg = optim.OptimConfig(lr=1e-2, weight_decay=0.1, max_nonfinite=3)
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1, max_nonfinite=3)
     opt = optim.make_optimizer(cfg, 10, AXES)
 
     # Donated, as the train step does: the skip must not depend on the old buffers surviving.
@@ -293,7 +294,7 @@ def test_the_step_makes_no_zero_updates():
     """A skipped step keeps the parameters by a select on them (apply_updates), not by zeroed
     updates. A zero array of a parameter's shape in the update is what XLA merged with the
     scanned backward's zeroed gradient stacks, which then had to be written in full."""
-    cfg = optim.OptimConfig(lr=1e-2, weight_decay=0.1)
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
     opt = optim.make_optimizer(cfg, 10, AXES)
     params = _tree(0)
 

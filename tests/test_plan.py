@@ -15,10 +15,9 @@ from jaxllmq.model.architecture import preset
 from jaxllmq.model.families import FULL, SLIDING
 from jaxllmq.model.recompute import Recompute
 from jaxllmq.offload import Offload
-from jaxllmq.optim import OptimConfig
 from jaxllmq.parallel.mesh import MeshError, make_mesh
 from jaxllmq.plan import make_plan, plan_for
-from jaxllmq.settings import ModelSpec
+from jaxllmq.settings import ModelSpec, OptimConfig
 
 TINY = dataclasses.replace(preset("tiny"), num_hidden_layers=2, vocab_size=512)
 BF16 = ModelSpec(model="tiny", from_scratch=True, matmul_dtype="bfloat16")
