@@ -424,8 +424,8 @@ def test_dq_is_added_up_in_dkv_at_128_only_on_the_gpus_where_that_was_faster():
     assert not fused("NVIDIA GH200 480GB") and not fused("cpu")
     assert not fused("NVIDIA H200", deterministic=True) and not fused(H100_KIND, deterministic=True)
     assert fused("NVIDIA A100-SXM4-80GB", head_dim=64)  # at 64 on every GPU
-    # The H200 in one section, the H100 in sections of DKV_SECTION_BYTES; the two kernels in one.
-    assert blocks("NVIDIA H200").dkv_section == 0 and blocks(H100_KIND).dkv_section is None
+    # dQ in dK/dV in sections of DKV_SECTION_BYTES on both; the two kernels in one section.
+    assert blocks("NVIDIA H200").dkv_section is None and blocks(H100_KIND).dkv_section is None
     assert blocks(H100_KIND, deterministic=True).dkv_section == 0
     # Lowered on a CPU for a GPU, the kernels take an H200's tiles, as for its SM count.
     assert fa.kernel_device_kind() == "NVIDIA H200"

@@ -40,13 +40,13 @@ ANY_WINDOW_FASTER_HEAD_DIMS = (64,)
 # 2% more at 8 x 2048.
 WIDE_KEY_TILES_FROM = 4096
 # The GPU models on which plain causal attention at head dim 128 adds dQ up in the dK/dV kernel
-# (by column halves), measured faster there than dQ's own kernel, and the dK/dV sections it runs
-# in there (FlashBlocks.dkv_section). On an H200, in one section: level at 8 x 2048 and 4.5-6%
-# faster at 4 x 4096 and 2 x 8192. On an H100 one section took 1.05-1.33x as long as the two
-# kernels, every CTA adding into dQ's fp32 sums at once (256 MiB at 16,384 tokens and 32 query
-# heads, five times the L2); in sections of DKV_SECTION_BYTES of queries and dO, whose dQ sums
-# fit the L2, 1-6.5% less than the two kernels. Other GPUs, measured or not, run the two.
-DQ_BY_HALVES_SECTIONS = {"H200": 0, "H100": None}
+# (by column halves), measured faster there than dQ's own kernel, with dK/dV's CTAs in sections
+# of DKV_SECTION_BYTES of queries and dO (FlashBlocks.dkv_section), whose dQ sums fit the L2. In
+# one section every CTA adds into dQ's fp32 sums at once (256 MiB at 16,384 tokens and 32 query
+# heads, five times an H100's L2): on an H100 that took 1.05-1.33x as long as the two kernels,
+# sections 1-6.5% less; on an H200 sections took 2-6% less than one section. Other GPUs,
+# measured or not, run the two kernels.
+DQ_BY_HALVES_GPUS = ("H200", "H100")
 # The query and dO bytes of a dK/dV section: well inside an H200's 50 MB of L2.
 DKV_SECTION_BYTES = 32 << 20
 
@@ -123,7 +123,7 @@ def default_blocks(
     """The tiles for a head dim (those of the kernel head dim it runs at), as measured on an H200
     (causal, 8 x 2048 to 2 x 8192, 32 query and 8 key heads); `causal_len`: the sequence length
     of plain causal attention (0 with documents or a window); `device_kind`: jax's name of the
-    GPU the kernels run on (DQ_BY_HALVES_SECTIONS; None: kernel_device_kind()). At head dim 64 the
+    GPU the kernels run on (DQ_BY_HALVES_GPUS; None: kernel_device_kind()). At head dim 64 the
     forward takes 256-key tiles from WIDE_KEY_TILES_FROM on (plain causal only: documents and
     windows skip whole key tiles, which 128 keys keep finer). At head dim 64, dQ added up in the
     dK/dV kernel, whose steps overlap (dq_in_dkv, dkv_overlap, 64-row steps: forward + backward
@@ -136,17 +136,17 @@ def default_blocks(
     dQ's steps of 64; four stages 2% faster than two at 8 x 2048, level at the longer shapes).
     At head dim 128, 128-row steps spill registers (1.3-1.4x slower); for plain causal attention
     dQ is added up in the dK/dV kernel by column halves in overlapped steps, dS^T formed before
-    dV's product, each warpgroup's code its own and the mask's offset first (level at 8 x 2048,
-    3-6% faster at 4 x 4096 and 2 x 8192 than dQ's own kernel; on the DQ_BY_HALVES_SECTIONS only;
-    under `deterministic` dQ's own kernel, with the last two, 0.3-1% faster). Over documents or
-    within a window that backward was 1.09-1.17x and 1.05x slower, so they keep the two kernels,
-    with the last two as well (over documents 5-8% faster at 2 x 8192, within a window of 1024
-    3%, level at 8 x 2048 and 4 x 4096). The two kernels at 128 run dK/dV's CTAs in one section
-    (0.4-2% faster than sections of 32 MiB, which are 1-3% faster at 64; dQ in dK/dV takes the
-    sections DQ_BY_HALVES_SECTIONS gives its GPU) and wait for a step's four loads one
-    by one (1.5-2% faster than on one barrier, which is 2.6-2.9% faster at 64). Three forward
-    stages were no faster at 64, 192-key forward tiles 1.3-1.8x slower; neither, nor 256-key
-    tiles, fits shared memory at 128."""
+    dV's product, each warpgroup's code its own and the mask's offset first, dK/dV's CTAs in
+    sections of DKV_SECTION_BYTES (on an H200 in one section level at 8 x 2048 and 3-6% faster at
+    4 x 4096 and 2 x 8192 than dQ's own kernel, in sections 2-6% faster again; on the
+    DQ_BY_HALVES_GPUS only; under `deterministic` dQ's own kernel, with the last two, 0.3-1%
+    faster). Over documents or within a window that backward was 1.09-1.17x and 1.05x slower,
+    so they keep the two kernels, with the last two as well (over documents 5-8% faster at
+    2 x 8192, within a window of 1024 3%, level at 8 x 2048 and 4 x 4096). The two kernels at 128
+    run dK/dV's CTAs in one section (0.4-2% faster than sections of 32 MiB, which are 1-3% faster
+    at 64) and wait for a step's four loads one by one (1.5-2% faster than on one barrier, which
+    is 2.6-2.9% faster at 64). Three forward stages were no faster at 64, 192-key forward tiles
+    1.3-1.8x slower; neither, nor 256-key tiles, fits shared memory at 128."""
     kernel_d = kernel_head_dim(head_dim)
     if kernel_d == 64:
         return FlashBlocks(
@@ -160,9 +160,9 @@ def default_blocks(
     if kernel_d == 128:
         kind = kernel_device_kind() if device_kind is None else device_kind
         model = peaks.gpu_model(kind)
-        fused = causal_len > 0 and not deterministic and model in DQ_BY_HALVES_SECTIONS
+        fused = causal_len > 0 and not deterministic and model in DQ_BY_HALVES_GPUS
         return FlashBlocks(
-            dkv_section=DQ_BY_HALVES_SECTIONS[model] if fused else 0,
+            dkv_section=None if fused else 0,
             dkv_one_ready=False,
             dq_in_dkv=fused,
             dkv_overlap=fused,
