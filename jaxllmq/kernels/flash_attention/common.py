@@ -24,8 +24,8 @@ COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 NO_MAX = -1e30
 HEAD_DIMS = (64, 128, 256)
 # Where causal forward + backward runs faster than cuDNN's on an H200, 8 x 2048 to 2 x 8192:
-# 1.18-1.28x at head dim 64, 1.02-1.09x at 128 (the 3B's and Qwen3 1.7B's steps level to 0.7%
-# faster, 2 x 8192 to 8 x 2048, at the same peak memory) and 1.03-1.14x at 256.
+# 1.16-1.29x at head dim 64, 1.04-1.16x at 128 (the 3B's and Qwen3 1.7B's steps 0.4-1.3% faster
+# at the same peak memory) and 1.03-1.14x at 256.
 CAUSAL_FASTER_HEAD_DIMS = (64, 128, 256)
 # Per head dim, a sliding window of at most this many keys on every layer runs faster than
 # cuDNN's windowed attention (8 x 2048 to 2 x 8192): at 128 1.04-1.19x for windows of 512 and
@@ -47,7 +47,8 @@ WIDE_KEY_TILES_FROM = 4096
 # sections 1-6.5% less; on an H200 sections took 2-6% less than one section. Other GPUs,
 # measured or not, run the two kernels.
 DQ_BY_HALVES_GPUS = ("H200", "H100")
-# The query and dO bytes of a dK/dV section: well inside an H200's 50 MB of L2.
+# The query and dO bytes of a dK/dV section: well inside an H200's 50 MB of L2. At head dim 128
+# on an H200, sections of a fixed 2, 4 or 8 pairs were 2-7% slower wherever they differ from it.
 DKV_SECTION_BYTES = 32 << 20
 
 
