@@ -6,13 +6,15 @@ float32 XLA reference; then ours over packed documents (the bench's log-normal l
 with sliding windows (cuDNN's too) against ours causal at the same shape (with each --blocks
 setting, changed from bounded attention's default tiles), ours each with the share of causal's
 128 x 128 blocks its queries see (the blocks the kernels compute) beside the share of causal's
-time it takes. Times are the median over batches of calls issued back to back. One JSON line per
-measurement. With --jax_linear_attention, also that package's kernel of the same design; with
---flash_attn3, FlashAttention-3's CUDA kernels for Hopper; with --flash_attn4, FlashAttention-4's
-CuTe DSL kernels (their Hopper path on an H100 or H200) (optional extras: the project does not
-need them). With --spills, no timing: each kernel's register spills as
-ptxas reports them, and how many sit in its loops of matrix products (benchmarks/kernel_code.py),
-per head dim and --blocks setting, on a GPU or, with jax's CUDA plugin, on a machine without one.
+time it takes. Times are the median over batches of calls issued back to back, the variants of a
+shape and head dim taking their batches in turn (bench.time_calls_in_turn), so that a drift of the
+GPU's clock over the run falls on each alike. One JSON line per measurement. With
+--jax_linear_attention, also that package's kernel of the same design; with --flash_attn3,
+FlashAttention-3's CUDA kernels for Hopper; with --flash_attn4, FlashAttention-4's CuTe DSL kernels
+(their Hopper path on an H100 or H200) (optional extras: the project does not need them). With
+--spills, no timing: each kernel's register spills as ptxas reports them, and how many sit in its
+loops of matrix products (benchmarks/kernel_code.py), per head dim and --blocks setting, on a GPU
+or, with jax's CUDA plugin, on a machine without one.
 
     python3 -m benchmarks.flash_attention --shapes=8x2048,4x4096,2x8192 --head_dims=64,128
     python3 -m benchmarks.flash_attention --spills --head_dims=128 --blocks= --blocks=dkv_overlap=1
@@ -275,27 +277,36 @@ def measure(b: int, t: int, d: int) -> None:
             variants[f"flash-attn4 window {w}"] = (flash_attn4_kernel(scale, w), windowed_reference)
     if FLAGS.kernels_apart and d in fa.HEAD_DIMS:  # padded head dims: not the kernels alone
         emit(_kernels_apart(q, k, v, do, scale))
-    causal_ms = None  # ours causal with the default tiles, where timed
-    for name, (attend, ref) in variants.items():
+    built = {}  # the variants that compiled and ran: (forward, forward + backward)
+    for name, (attend, _) in variants.items():
         try:
-            fwd = jax.jit(attend)
-            grad = _grad_fn(attend)
-            row = {
-                "variant": name,
-                "fwd_ms": 1e3 * bench.time_calls(lambda f=fwd: f(q, k, v), calls=20),
-                "fwd_bwd_ms": 1e3 * bench.time_calls(lambda g=grad: g(q, k, v, do), calls=20),
-            }
-            if name == "mosaic default":
-                causal_ms = row["fwd_bwd_ms"]
-            if name in block_shares:
-                row["blocks_vs_causal"] = round(block_shares[name], 4)
-                if causal_ms:
-                    row["fwd_bwd_vs_causal"] = round(row["fwd_bwd_ms"] / causal_ms, 4)
-            if FLAGS.errors and t * t * b * hq <= 2**31:  # the fp32 reference's scores fit
-                row["max_abs_error"], row["rel_l2_error"] = _errors(attend, ref, q, k, v, do)
-            emit(row)
+            fwd, grad = jax.jit(attend), _grad_fn(attend)
+            jax.block_until_ready((fwd(q, k, v), grad(q, k, v, do)))
+            built[name] = (fwd, grad)
         except Exception as e:  # one variant's failure must not end the sweep
             emit({"variant": name, "error": error_text(e)})
+    fwd_s = bench.time_calls_in_turn(
+        {name: lambda f=fwd: f(q, k, v) for name, (fwd, _) in built.items()}, calls=20
+    )
+    fwd_bwd_s = bench.time_calls_in_turn(
+        {name: lambda g=grad: g(q, k, v, do) for name, (_, grad) in built.items()}, calls=20
+    )
+    causal_ms = None  # ours causal with the default tiles, where timed
+    for name in built:
+        row = {"variant": name, "fwd_ms": 1e3 * fwd_s[name], "fwd_bwd_ms": 1e3 * fwd_bwd_s[name]}
+        if name == "mosaic default":
+            causal_ms = row["fwd_bwd_ms"]
+        if name in block_shares:
+            row["blocks_vs_causal"] = round(block_shares[name], 4)
+            if causal_ms:
+                row["fwd_bwd_vs_causal"] = round(row["fwd_bwd_ms"] / causal_ms, 4)
+        if FLAGS.errors and t * t * b * hq <= 2**31:  # the fp32 reference's scores fit
+            attend, ref = variants[name]
+            try:
+                row["max_abs_error"], row["rel_l2_error"] = _errors(attend, ref, q, k, v, do)
+            except Exception as e:  # the row keeps its times
+                row["error"] = error_text(e)
+        emit(row)
 
 
 def report_spills(d: int, specs: list[str], heads: int, kv_heads: int, device=None) -> None:

@@ -72,16 +72,34 @@ def time_calls(
     back to back and waited for once, after `warmup` calls. One wait per call would time the
     dispatch and the synchronization too, which dominate a kernel of tens of microseconds.
     `wait` blocks on a call's result (another framework's: torch.cuda.synchronize)."""
-    for _ in range(warmup):
-        wait(call())
-    times = []
+    seconds = time_calls_in_turn({"": call}, calls=calls, batches=batches, warmup=warmup, wait=wait)
+    return seconds[""]
+
+
+def time_calls_in_turn(
+    calls_by_name: dict[str, Callable[[], Any]],
+    *,
+    calls: int = 10,
+    batches: int = 5,
+    warmup: int = 2,
+    wait: Callable[[Any], Any] = jax.block_until_ready,
+) -> dict[str, float]:
+    """Seconds per call of each named call, as time_calls times one, with the batches taken in
+    turn: a batch of each call, then the next round. Variants compared this way share whatever
+    drift the device has over the run (its clock falling as it heats, under its power limit),
+    where timed one after the other the last would take all of it."""
+    for call in calls_by_name.values():
+        for _ in range(warmup):
+            wait(call())
+    times = {name: [] for name in calls_by_name}
     for _ in range(batches):
-        t = time.perf_counter()
-        for _ in range(calls):
-            out = call()
-        wait(out)
-        times.append((time.perf_counter() - t) / calls)
-    return statistics.median(times)
+        for name, call in calls_by_name.items():
+            t = time.perf_counter()
+            for _ in range(calls):
+                out = call()
+            wait(out)
+            times[name].append((time.perf_counter() - t) / calls)
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
 def matmul_ceiling(n: int = 8192) -> float:

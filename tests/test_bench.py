@@ -52,6 +52,26 @@ def test_time_calls_waits_once_per_batch():
     assert seconds > 0
 
 
+def test_time_calls_in_turn_takes_each_calls_batches_in_turn(monkeypatch):
+    """A batch of each call, then the next round; each call's median over its own batches."""
+    events, clock = [], iter(range(100))
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+
+    def call(name):
+        return lambda: events.append(name) or name
+
+    seconds = bench.time_calls_in_turn(
+        {"a": call("a"), "b": call("b")},
+        calls=2,
+        batches=3,
+        warmup=1,
+        wait=lambda out: events.append(f"wait {out}"),
+    )
+    warmups = ["a", "wait a", "b", "wait b"]
+    assert events == warmups + ["a", "a", "wait a", "b", "b", "wait b"] * 3
+    assert seconds == {"a": 0.5, "b": 0.5}  # each batch read two ticks of the clock
+
+
 @pytest.mark.parametrize(
     "flag, message",
     [

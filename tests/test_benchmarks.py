@@ -164,7 +164,11 @@ def test_the_flash_bench_times_each_tile_setting_over_documents_and_windows_too(
         return fa.reference_attention(q, k, v, scale)  # the tiles are what is checked
 
     monkeypatch.setattr(fa, "flash_attention", attention)
-    monkeypatch.setattr(flash_attention.bench, "time_calls", lambda call, calls: (call(), 1e-3)[1])
+    monkeypatch.setattr(
+        flash_attention.bench,
+        "time_calls_in_turn",
+        lambda calls_by_name, calls: {name: 1e-3 for name in calls_by_name},
+    )
     settings = ["--blocks=", "--blocks=per_warpgroup_code=1", "--windows=64", "--nocudnn"]
     flash_attention.FLAGS(["flash_attention", *settings, "--noerrors"])
     try:
@@ -183,6 +187,41 @@ def test_the_flash_bench_times_each_tile_setting_over_documents_and_windows_too(
     ]
     assert (True, None, changed) in tiles and (False, 64, changed) in tiles
     assert (True, None, fa.default_blocks(64)) in tiles
+
+
+def test_the_flash_bench_times_the_settings_that_run_in_turn_and_reports_the_rest(
+    monkeypatch, capsys
+):
+    """A setting the kernels refuse gets a row with its error; the others are timed together,
+    their batches in turn, forward and forward + backward."""
+
+    def attention(q, k, v, *, scale, segment_ids_BxT=None, window=None, blocks=None):
+        if blocks.per_warpgroup_code:
+            raise ValueError("Mosaic GPU kernel exceeds available shared memory")
+        return fa.reference_attention(q, k, v, scale)
+
+    timed = []
+
+    def in_turn(calls_by_name, calls):
+        timed.append(list(calls_by_name))
+        return {name: 1e-3 * (1 + len(timed)) for name in calls_by_name}
+
+    monkeypatch.setattr(fa, "flash_attention", attention)
+    monkeypatch.setattr(flash_attention.bench, "time_calls_in_turn", in_turn)
+    settings = ["--blocks=", "--blocks=per_warpgroup_code=1", "--windows=", "--nodocuments"]
+    flash_attention.FLAGS(["flash_attention", *settings, "--nocudnn", "--noerrors"])
+    try:
+        flash_attention.measure(1, 256, 64)
+    finally:
+        flash_attention.FLAGS.unparse_flags()
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rows[0]["variant"] == "mosaic per_warpgroup_code=1"
+    assert "exceeds available shared memory" in rows[0]["error"]
+    assert timed == [["mosaic default"], ["mosaic default"]]
+    assert rows[1] == {
+        "batch": 1, "seq_len": 256, "head_dim": 64, "heads": 32, "kv_heads": 8,
+        "variant": "mosaic default", "fwd_ms": 2.0, "fwd_bwd_ms": 3.0,
+    }  # fmt: skip
 
 
 def test_jax_linear_attention_is_a_one_line_exit_where_it_is_not_installed(monkeypatch):
