@@ -4,6 +4,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -55,7 +56,7 @@ def test_time_calls_waits_once_per_batch():
 def test_time_calls_in_turn_takes_each_calls_batches_in_turn(monkeypatch):
     """A batch of each call, then the next round; each call's median over its own batches."""
     events, clock = [], iter(range(100))
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
 
     def call(name):
         return lambda: events.append(name) or name
@@ -69,7 +70,7 @@ def test_time_calls_in_turn_takes_each_calls_batches_in_turn(monkeypatch):
     )
     warmups = ["a", "wait a", "b", "wait b"]
     assert events == warmups + ["a", "a", "wait a", "b", "b", "wait b"] * 3
-    assert seconds == {"a": 0.5, "b": 0.5}  # each batch read two ticks of the clock
+    assert seconds == {"a": 0.5, "b": 0.5}  # a batch of two calls spans one tick of the clock
 
 
 @pytest.mark.parametrize(
