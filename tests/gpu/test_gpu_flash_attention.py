@@ -53,9 +53,10 @@ def _outputs(attend, q, k, v, do):
         (128, H200_CAUSAL_128),
         (128, fa.FlashBlocks(dq_in_dkv=True, per_warpgroup_code=True)),
         (64, dataclasses.replace(fa.default_blocks(64), per_warpgroup_code=True)),
-        (64, dataclasses.replace(fa.default_blocks(64), dq_swizzle=32)),
-        (128, dataclasses.replace(H200_CAUSAL_128, dq_swizzle=32)),
+        (64, dataclasses.replace(fa.default_blocks(64), fp32_swizzle=32)),
+        (128, dataclasses.replace(H200_CAUSAL_128, fp32_swizzle=32)),
         (256, None),
+        (256, dataclasses.replace(fa.default_blocks(256), fp32_swizzle=32)),
     ],
     ids=[
         "64",
@@ -70,9 +71,10 @@ def _outputs(attend, q, k, v, do):
         "128-causal-tiles",
         "128-dq-in-dkv-in-order",
         "64-per-warpgroup-code",
-        "64-dq-swizzle-32",
-        "128-dq-swizzle-32",
+        "64-fp32-swizzle-32",
+        "128-fp32-swizzle-32",
         "256",
+        "256-fp32-swizzle-32",
     ],
 )
 @pytest.mark.parametrize("visibility", ["causal", "documents", "window"])

@@ -288,7 +288,9 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
             plgpu.SMEM((2, bk), jnp.int32) if vis.bounded else None,
             plgpu.SMEM((ds_buffers, keys, bq), dtype, transforms=tr) if fused else None,
             plgpu.SMEM(
-                (2, bq, dq_cols), jnp.float32, transforms=common.fp32_transforms(blocks.dq_swizzle)
+                (2, bq, dq_cols),
+                jnp.float32,
+                transforms=common.fp32_transforms(blocks.fp32_swizzle),
             )
             if fused
             else None,

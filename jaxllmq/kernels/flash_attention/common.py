@@ -97,13 +97,14 @@ class FlashBlocks:
     # instead of each thread's (at 128, dQ in dK/dV with overlapped steps spills 140 / 204
     # bytes with it, against 416 / 592; forward + backward at 64 it was 0.6-2.3% slower).
     per_warpgroup_code: bool = False
-    # dQ in dK/dV: the swizzle in bytes (32, 64 or 128) of the fp32 tile a piece of dQ waits in
-    # for its reduce-add. At 128 each thread pairs its values across registers before storing
-    # them (32 selects a piece, so that the stores hit every bank once); at 32 they go as they
-    # lie, already spread over the banks. Compiled for an H200 (ptxas 13.0, 1 x 2048), 32 took
-    # 8-9% off the unmasked dK/dV loops at head dims 64 and 128 and 17-24% off the spills at
-    # 128; 64 kept the selects. Not yet timed on a GPU.
-    dq_swizzle: int = 128
+    # dK/dV: the swizzle in bytes (32, 64 or 128) of the fp32 tiles it stages in shared memory:
+    # with dQ in dK/dV, dQ's pieces waiting for their reduce-add; at head dim 256, dP^T - delta
+    # traded between the warpgroups. At 128 each thread pairs its values across registers
+    # before storing them (32 selects a 64 x 64 tile, so that the stores hit every bank once);
+    # at 32 they go as they lie, already spread over the banks. Compiled for an H200 (ptxas
+    # 13.0, 1 x 2048), 32 took 8-9% off dK/dV's unmasked loops at head dims 64 and 128 (and
+    # 17-24% off the spills at 128) and 10-15% at 256; 64 kept the selects. Not yet timed.
+    fp32_swizzle: int = 128
 
     def __post_init__(self):
         tiles = (self.block_q, self.block_kv, self.dkv_block_kv, self.dkv_block_q)
@@ -113,7 +114,7 @@ class FlashBlocks:
             any(tile <= 0 or tile % 64 for tile in tiles)
             or min(stages) < 1
             or (self.dkv_section is not None and self.dkv_section < 0)
-            or self.dq_swizzle not in SWIZZLES
+            or self.fp32_swizzle not in SWIZZLES
         ):
             raise ValueError(
                 "flash attention: tiles are positive multiples of 64 (wgmma's least contraction), "
@@ -217,7 +218,7 @@ def each_compute_warpgroup(compute, warpgroup, separate):
 TILE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
-def fp32_transforms(swizzle: int = 128) -> tuple:
+def fp32_transforms(swizzle: int) -> tuple:
     """Shared-memory transforms of fp32 tiles in rows of `swizzle` bytes (swizzle / 4
     elements), swizzled so that stores from wgmma accumulators hit every bank once."""
     return (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
