@@ -81,14 +81,7 @@ def test_refuses_what_it_does_not_take_in_one_line():
 
 
 @pytest.mark.parametrize(
-    "change",
-    [
-        dict(dkv_block_q=32),
-        dict(block_kv=0),
-        dict(dq_stages=0),
-        dict(dkv_section=-1),
-        dict(fp32_swizzle=16),
-    ],
+    "change", [dict(dkv_block_q=32), dict(block_kv=0), dict(dq_stages=0), dict(dkv_section=-1)]
 )
 def test_tiles_that_no_kernel_takes_are_refused(change):
     with pytest.raises(ValueError, match="tiles are positive multiples of 64"):
@@ -126,15 +119,6 @@ def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
         (256, 80, False, None, None),
         (256, 256, False, None, None),
         (256, 256, True, 100, None),
-        (256, 64, False, None, dataclasses.replace(fa.default_blocks(64), fp32_swizzle=32)),
-        (
-            256,
-            128,
-            False,
-            None,
-            dataclasses.replace(fa.default_blocks(128, causal_len=256), fp32_swizzle=32),
-        ),
-        (256, 256, True, 100, dataclasses.replace(fa.default_blocks(256), fp32_swizzle=32)),
     ],
     ids=[
         "causal-64",
@@ -154,9 +138,6 @@ def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
         "80",
         "causal-256",
         "bounded-256",
-        "fp32-swizzle-32-64",
-        "causal-default-fp32-swizzle-32-128",
-        "bounded-fp32-swizzle-32-256",
     ],
 )
 def test_forward_and_backward_lower_to_mosaic_gpu(t, d, documents, window, blocks):

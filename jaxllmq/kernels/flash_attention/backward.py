@@ -287,11 +287,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((2, bk), jnp.int32) if vis.bounded else None,
             plgpu.SMEM((ds_buffers, keys, bq), dtype, transforms=tr) if fused else None,
-            plgpu.SMEM(
-                (2, bq, dq_cols),
-                jnp.float32,
-                transforms=common.fp32_transforms(blocks.fp32_swizzle),
-            )
+            plgpu.SMEM((2, bq, dq_cols), jnp.float32, transforms=common.FP32_TRANSFORMS)
             if fused
             else None,
         ),

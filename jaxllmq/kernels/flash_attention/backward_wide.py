@@ -171,11 +171,7 @@ def backward_dkv_wide(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((bk,), jnp.int32) if vis.bounded else None,
             plgpu.SMEM((TRADE_BUFFERS, bk, bq), dtype, transforms=tr),
-            plgpu.SMEM(
-                (TRADE_BUFFERS, bk, bq),
-                jnp.float32,
-                transforms=common.fp32_transforms(blocks.fp32_swizzle),
-            ),
+            plgpu.SMEM((TRADE_BUFFERS, bk, bq), jnp.float32, transforms=common.FP32_TRANSFORMS),
         ),
         plgpu.Barrier(num_arrivals=4, num_barriers=stages),  # a slot's four loads in
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both warpgroups done with a slot

@@ -23,7 +23,6 @@ COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 # Running maxima start here, not at -inf, so a row with no visible key in a tile stays finite.
 NO_MAX = -1e30
 HEAD_DIMS = (64, 128, 256)
-SWIZZLES = (32, 64, 128)  # the shared-memory swizzles (bytes) that TMA and wgmma take
 # Where causal forward + backward runs faster than cuDNN's on an H200, 8 x 2048 to 2 x 8192:
 # 1.16-1.29x at head dim 64, 1.04-1.16x at 128 (the 3B's and Qwen3 1.7B's steps 0.4-1.3% faster
 # at the same peak memory) and 1.03-1.14x at 256.
@@ -97,14 +96,6 @@ class FlashBlocks:
     # instead of each thread's (at 128, dQ in dK/dV with overlapped steps spills 140 / 204
     # bytes with it, against 416 / 592; forward + backward at 64 it was 0.6-2.3% slower).
     per_warpgroup_code: bool = False
-    # dK/dV: the swizzle in bytes (32, 64 or 128) of the fp32 tiles it stages in shared memory:
-    # with dQ in dK/dV, dQ's pieces waiting for their reduce-add; at head dim 256, dP^T - delta
-    # traded between the warpgroups. At 128 each thread pairs its values across registers
-    # before storing them (32 selects a 64 x 64 tile, so that the stores hit every bank once);
-    # at 32 they go as they lie, already spread over the banks. Compiled for an H200 (ptxas
-    # 13.0, 1 x 2048), 32 took 8-9% off dK/dV's unmasked loops at head dims 64 and 128 (and
-    # 17-24% off the spills at 128) and 10-15% at 256; 64 kept the selects. Not yet timed.
-    fp32_swizzle: int = 128
 
     def __post_init__(self):
         tiles = (self.block_q, self.block_kv, self.dkv_block_kv, self.dkv_block_q)
@@ -114,11 +105,10 @@ class FlashBlocks:
             any(tile <= 0 or tile % 64 for tile in tiles)
             or min(stages) < 1
             or (self.dkv_section is not None and self.dkv_section < 0)
-            or self.fp32_swizzle not in SWIZZLES
         ):
             raise ValueError(
                 "flash attention: tiles are positive multiples of 64 (wgmma's least contraction), "
-                f"stages 1 or more, sections 0 or more and swizzles {SWIZZLES}, not {self}"
+                f"stages 1 or more and sections 0 or more, not {self}"
             )
 
 
@@ -216,12 +206,9 @@ def each_compute_warpgroup(compute, warpgroup, separate):
 
 # Shared-memory transforms of [rows, D] tiles (D >= 64 elements of 16 bits: 128-byte rows).
 TILE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-
-
-def fp32_transforms(swizzle: int) -> tuple:
-    """Shared-memory transforms of fp32 tiles in rows of `swizzle` bytes (swizzle / 4
-    elements), swizzled so that stores from wgmma accumulators hit every bank once."""
-    return (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
+# And of fp32 tiles, 32 elements to a 128-byte swizzled row, so that stores from wgmma
+# accumulators hit every bank once.
+FP32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
 # jax 0.10's plgpu.load takes an index (here none: the whole ref); later versions deprecate it.
