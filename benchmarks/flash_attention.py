@@ -12,9 +12,10 @@ GPU's clock over the run falls on each alike. One JSON line per measurement. Wit
 --jax_linear_attention, also that package's kernel of the same design; with --flash_attn3,
 FlashAttention-3's CUDA kernels for Hopper; with --flash_attn4, FlashAttention-4's CuTe DSL kernels
 (their Hopper path on an H100 or H200) (optional extras: the project does not need them). With
---spills, no timing: each kernel's register spills as ptxas reports them, and how many sit in its
-loops of matrix products (benchmarks/kernel_code.py), per head dim and --blocks setting, on a GPU
-or, with jax's CUDA plugin, on a machine without one.
+--spills, no timing: each kernel's register spills as ptxas reports them, how many sit in its
+loops of matrix products, and whether ptxas serialized its matrix products
+(benchmarks/kernel_code.py), per head dim and --blocks setting, on a GPU or, with jax's CUDA
+plugin, on a machine without one.
 
     python3 -m benchmarks.flash_attention --shapes=8x2048,4x4096,2x8192 --head_dims=64,128
     python3 -m benchmarks.flash_attention --spills --head_dims=128 --blocks= --blocks=dkv_overlap=1
@@ -83,7 +84,9 @@ flags.DEFINE_bool(
     False,
     "Instead of timing, compile ours' forward + backward at each head dim and --blocks setting "
     "and print ptxas's version and each kernel's register spills as ptxas reports them (bytes "
-    "a thread stores to and loads from local memory), and, where nvdisasm is on PATH, each "
+    "a thread stores to and loads from local memory), the kernels whose wgmma ptxas "
+    "serialized (its C75xx notes: each product then waits for the one before), and, where "
+    "nvdisasm is on PATH, each "
     "loop of matrix products' instructions, wgmma, local stores and loads, and named barriers: "
     "a compile each, no timing, the first test of a change to a kernel's live values. Without "
     "a GPU it compiles for an H200 through jax's CUDA plugin. A kernel compiled for an earlier "
@@ -333,7 +336,9 @@ def report_spills(d: int, specs: list[str], heads: int, kv_heads: int, device=No
                     grad.lower(q, kv, kv, q).compile()  # dO has the queries' shape
                 finally:
                     del os.environ["MOSAIC_GPU_DUMP_TO"]
-                row["spills"], loops = kernel_code.compiled_kernels(dump)
+                row["spills"], serialized, loops = kernel_code.compiled_kernels(dump)
+            if serialized:  # every product of these kernels waits for the one before
+                row["wgmma_serialized"] = serialized
             if loops:  # [instructions, wgmma, local stores, local loads, barriers] a loop
                 row["product_loops"] = loops
         except Exception as e:  # a setting the kernels refuse must not end the sweep

@@ -1,5 +1,6 @@
-"""What ptxas made of a Mosaic GPU kernel: its register spills, and whether they sit in the
-loops that issue the matrix products (where they cost time) or outside them.
+"""What ptxas made of a Mosaic GPU kernel: its register spills, whether they sit in the loops
+that issue the matrix products (where they cost time) or outside them, and whether ptxas made
+its matrix products wait for each other.
 
 Mosaic GPU writes each kernel's PTX and ptxas's report into the folder that MOSAIC_GPU_DUMP_TO
 names, when it compiles the kernel. `compiled_kernels` reads that folder. Where nvdisasm is on
@@ -25,6 +26,13 @@ import tempfile
 # function with its spills may come before the name, and is not taken for the function before).
 PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+?)(?:_mosaic_gpu_kernel)?'")
 PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+# ptxas's note that it made a kernel's wgmma wait for each other (C7513 to C7520: an operand's
+# registers written or an accumulator's read while a product is in flight, a product in flight
+# across a loop's edge, ...), which costs every product of the kernel its overlap.
+PTXAS_SERIALIZED = re.compile(
+    r"\((C\d+)\) Potential Performance Loss: wgmma\.mma_async instructions are serialized"
+    r".*in the function '(\w+?)(?:_mosaic_gpu_kernel)?'"
+)
 PTX_TARGET = re.compile(r"^\.target\s+(\w+)", re.MULTILINE)
 # `ptxas --version`'s last line: "Cuda compilation tools, release 13.0, V13.0.88".
 PTXAS_VERSION = re.compile(r"\bV(\d+\.\d+\.\d+)")
@@ -170,15 +178,26 @@ def h200_compile_devices(count: int = 1) -> list | None:
     return list(topology.devices)
 
 
-def compiled_kernels(dump: str) -> tuple[dict, dict]:
-    """({kernel: spills}, {kernel: product_loops}) of the kernels Mosaic GPU dumped into the
-    folder `dump` (the loops only where machine_code has its tools)."""
+def ptxas_serialized(report: str) -> dict[str, list[str]]:
+    """{kernel: ptxas's codes for why it serialized the kernel's wgmma} from its report."""
+    serialized = {}
+    for code, kernel in PTXAS_SERIALIZED.findall(report):
+        serialized.setdefault(kernel, []).append(code)
+    return serialized
+
+
+def compiled_kernels(dump: str) -> tuple[dict, dict, dict]:
+    """({kernel: spills}, {kernel: serialized}, {kernel: product_loops}) of the kernels Mosaic
+    GPU dumped into the folder `dump` (serialized only for kernels whose wgmma ptxas
+    serialized; the loops only where machine_code has its tools)."""
     folder = pathlib.Path(dump)
-    spills, loops = {}, {}
+    spills, serialized, loops = {}, {}, {}
     for report in sorted(folder.glob("*.ptxas")):
-        found = ptxas_spills(report.read_text())
+        text = report.read_text()
+        found = ptxas_spills(text)
         spills |= found
+        serialized |= ptxas_serialized(text)
         sass = machine_code(report.with_suffix(".ptx"))
         if sass is not None:
             loops |= dict.fromkeys(found, product_loops(sass))
-    return spills, loops
+    return spills, serialized, loops

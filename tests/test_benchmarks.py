@@ -286,6 +286,13 @@ ptxas info    : Function properties for flash_attention_dkv_mosaic_gpu_kernel
     120 bytes stack frame, 120 bytes spill stores, 132 bytes spill loads
 ptxas info    : Used 168 registers, used 16 barriers, 120 bytes cumulative stack size, 1 bytes smem
 """
+# A kernel whose products ptxas serialized, as its report says so (before naming the kernel).
+SERIALIZED_REPORT = """ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma instructions reading accumulator registers of  a wgmma between start and end of the pipeline stage in the function 'new_body_mosaic_gpu_kernel'
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'new_body_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for new_body_mosaic_gpu_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+"""
 
 
 def test_the_spill_report_names_each_kernel_with_its_own_spills():
@@ -296,6 +303,12 @@ def test_the_spill_report_names_each_kernel_with_its_own_spills():
         "flash_attention_dkv": [120, 132],
     }
     assert kernel_code.ptxas_spills("") == {}
+
+
+def test_the_report_names_the_kernels_whose_products_ptxas_serialized():
+    assert kernel_code.ptxas_serialized(SERIALIZED_REPORT) == {"new_body": ["C7514"]}
+    assert kernel_code.ptxas_spills(SERIALIZED_REPORT) == {"new_body": [0, 0]}
+    assert kernel_code.ptxas_serialized(PTXAS_REPORT) == {}
 
 
 # nvdisasm's listing, cut down: an outer loop (over heads) around two loops of products (masked
@@ -370,6 +383,7 @@ def test_spills_prints_each_settings_kernels_or_the_error_that_stopped_it(monkey
         def compile(self):
             dump = pathlib.Path(os.environ["MOSAIC_GPU_DUMP_TO"])
             dump.joinpath("flash_attention_dkv_1.ptxas").write_text(PTXAS_REPORT)
+            dump.joinpath("new_body_2.ptxas").write_text(SERIALIZED_REPORT)
 
     monkeypatch.setattr(flash_attention, "_grad_fn", lambda attend: Compiled())
     monkeypatch.setattr(kernel_code, "machine_code", lambda ptx: SASS)
@@ -382,10 +396,16 @@ def test_spills_prints_each_settings_kernels_or_the_error_that_stopped_it(monkey
         "head_dim": 128,
         "variant": "mosaic default",
         "ptxas": "13.0.88",
-        "spills": {"flash_attention_forward": [0, 0], "flash_attention_dkv": [120, 132]},
+        "spills": {
+            "flash_attention_forward": [0, 0],
+            "flash_attention_dkv": [120, 132],
+            "new_body": [0, 0],
+        },
+        "wgmma_serialized": {"new_body": ["C7514"]},
         "product_loops": {
             "flash_attention_forward": [[5, 1, 1, 2, 0], [7, 2, 0, 0, 1]],
             "flash_attention_dkv": [[5, 1, 1, 2, 0], [7, 2, 0, 0, 1]],
+            "new_body": [[5, 1, 1, 2, 0], [7, 2, 0, 0, 1]],
         },
     }
     assert "MOSAIC_GPU_DUMP_TO" not in os.environ
