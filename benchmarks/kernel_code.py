@@ -26,9 +26,9 @@ import tempfile
 # function with its spills may come before the name, and is not taken for the function before).
 PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+?)(?:_mosaic_gpu_kernel)?'")
 PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
-# ptxas's note that it made a kernel's wgmma wait for each other (C7513 to C7520: an operand's
-# registers written or an accumulator's read while a product is in flight, a product in flight
-# across a loop's edge, ...), which costs every product of the kernel its overlap.
+# ptxas's note that it made a kernel's wgmma wait for each other, whatever its code (seen so far:
+# C7513, an operand's registers written while a product is in flight; C7514, an accumulator's
+# read, as with a product in flight across a loop's edge), which costs every product its overlap.
 PTXAS_SERIALIZED = re.compile(
     r"\((C\d+)\) Potential Performance Loss: wgmma\.mma_async instructions are serialized"
     r".*in the function '(\w+?)(?:_mosaic_gpu_kernel)?'"
