@@ -86,8 +86,8 @@ flags.DEFINE_bool(
     "and print ptxas's version and each kernel's register spills as ptxas reports them (bytes "
     "a thread stores to and loads from local memory), the kernels whose wgmma ptxas "
     "serialized (its C75xx notes: each product then waits for the one before), and, where "
-    "nvdisasm is on PATH, each "
-    "loop of matrix products' instructions, wgmma, local stores and loads, and named barriers: "
+    "nvdisasm is on PATH, each loop of matrix products' instructions, wgmma, local stores and "
+    "loads, and named barriers: "
     "a compile each, no timing, the first test of a change to a kernel's live values. Without "
     "a GPU it compiles for an H200 through jax's CUDA plugin. A kernel compiled for an earlier "
     "setting of the same run is not compiled, nor listed, again.",
