@@ -38,8 +38,9 @@ from registers, accumulators carried across calls), so on CPU the tests lower th
 (jax.export) and check their masks' arithmetic; on the GPU (tests/gpu) they run against the
 pure-JAX `reference_attention`.
 
-Files: common.py (tiles, layouts, the kernel launch), forward.py, backward.py; here the entry
-point, flash_attention, and what it is checked against.
+Files: tiles.py (the tile settings and their defaults), common.py (layouts, the order of the
+work, the kernel launch), forward.py, backward.py and backward_wide.py; here the entry point,
+flash_attention, and what it is checked against.
 """
 
 from __future__ import annotations
@@ -53,14 +54,14 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxllmq.kernels.flash_attention import backward, forward
-from jaxllmq.kernels.flash_attention.common import (
+from jaxllmq.kernels.flash_attention.common import Visibility
+from jaxllmq.kernels.flash_attention.tiles import (
     ANY_WINDOW_FASTER_HEAD_DIMS,
     CAUSAL_FASTER_HEAD_DIMS,
     FASTER_WINDOW_MAX,
     HEAD_DIMS,
     WIDE_KEY_TILES_FROM,
     FlashBlocks,
-    Visibility,
     default_blocks,
     kernel_device_kind,
     kernel_head_dim,

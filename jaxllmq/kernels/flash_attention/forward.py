@@ -10,10 +10,10 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jaxllmq.kernels.flash_attention import common
+from jaxllmq.kernels.flash_attention import common, tiles
 
 
-def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: common.FlashBlocks):
+def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.FlashBlocks):
     """(o [B, T, Hq, D], lse [B, Hq, T] fp32 in log2 units of the scaled scores)."""
     b_, t, hq, d = q.shape
     group = hq // k.shape[2]
