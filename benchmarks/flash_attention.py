@@ -15,7 +15,8 @@ FlashAttention-3's CUDA kernels for Hopper; with --flash_attn4, FlashAttention-4
 --spills, no timing: each kernel's register spills as ptxas reports them, how many sit in its
 loops of matrix products, and whether ptxas serialized its matrix products
 (benchmarks/kernel_code.py), per head dim and --blocks setting, on a GPU or, with jax's CUDA
-plugin, on a machine without one.
+plugin, on a machine without one. With --profile_calls, each variant's forward + backward traced
+after its timing: every kernel's time per call and the time no kernel runs.
 
     python3 -m benchmarks.flash_attention --shapes=8x2048,4x4096,2x8192 --head_dims=64,128
     python3 -m benchmarks.flash_attention --spills --head_dims=128 --blocks= --blocks=dkv_overlap=1
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from benchmarks import kernel_code
-from jaxllmq import bench
+from jaxllmq import bench, profile
 from jaxllmq.cli import flags as cli_flags
 from jaxllmq.kernels import flash_attention as fa
 from jaxllmq.kernels.flash_attention import backward, common, forward
@@ -78,6 +79,14 @@ flags.DEFINE_bool(
     False,
     "Also time ours' kernels apart (forward, dK/dV, and dQ unless dK/dV adds it up; causal, "
     "default tiles): where the time goes.",
+)
+flags.DEFINE_integer(
+    "profile_calls",
+    0,
+    "After timing, trace this many forward + backward calls of each variant and print, per call, "
+    "each GPU kernel's ms, their sum and the ms in which no kernel runs (jaxllmq.profile): what "
+    "runs beside the attention kernels. 0: no trace.",
+    lower_bound=0,
 )
 flags.DEFINE_bool(
     "spills",
@@ -208,6 +217,22 @@ def _kernels_apart(q, k, v, do, scale) -> dict:
     return row
 
 
+def _profile(grad, args, calls: int) -> dict:
+    """Per call of grad(*args), traced `calls` times back to back: each GPU kernel's ms, their
+    sum and the ms in which no kernel runs."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with profile.trace_steps(trace_dir):
+            for _ in range(calls):
+                out = grad(*args)
+            jax.block_until_ready(out)
+        found = profile.breakdown(trace_dir, calls, top=100)
+    return {
+        "kernel_ms": {name: round(ms, 4) for name, ms, _ in found["kernels"]},
+        "device_ms": round(found["device_ms_per_step"], 4),
+        "idle_ms": round(found["idle_ms_per_step"], 4),
+    }
+
+
 def measure(b: int, t: int, d: int) -> None:
     keys = jax.random.split(jax.random.key(0), 4)
     hq, hkv = FLAGS.heads, FLAGS.kv_heads
@@ -310,6 +335,10 @@ def measure(b: int, t: int, d: int) -> None:
             except Exception as e:  # the row keeps its times
                 row["error"] = error_text(e)
         emit(row)
+    if FLAGS.profile_calls:
+        for name, (_, grad) in built.items():
+            traced = _profile(grad, (q, k, v, do), FLAGS.profile_calls)
+            emit({"variant": name, "profile": traced})
 
 
 def report_spills(d: int, specs: list[str], heads: int, kv_heads: int, device=None) -> None:

@@ -224,6 +224,42 @@ def test_the_flash_bench_times_the_settings_that_run_in_turn_and_reports_the_res
     }  # fmt: skip
 
 
+def test_the_flash_bench_traces_each_variants_calls_where_asked(monkeypatch, capsys):
+    """--profile_calls: after the timed rows, a row per variant with each kernel's ms per call,
+    their sum and the ms no kernel runs, from a trace of that many forward + backward calls."""
+    traced = []
+
+    def breakdown(trace_dir, steps, top):
+        traced.append((os.path.isdir(trace_dir), steps))
+        kernels = [("flash_attention_dkv_dq_mosaic_gpu_kernel", 0.74441, 1)]
+        return {"kernels": kernels, "device_ms_per_step": 1.29221, "idle_ms_per_step": 0.00294}
+
+    def attention(q, k, v, *, scale, blocks=None, **bounds):
+        return fa.reference_attention(q, k, v, scale)
+
+    monkeypatch.setattr(fa, "flash_attention", attention)
+    monkeypatch.setattr(
+        flash_attention.bench,
+        "time_calls_in_turn",
+        lambda calls_by_name, calls: {name: 1e-3 for name in calls_by_name},
+    )
+    monkeypatch.setattr(flash_attention.profile, "breakdown", breakdown)
+    settings = ["--windows=", "--nodocuments", "--nocudnn", "--noerrors", "--profile_calls=3"]
+    flash_attention.FLAGS(["flash_attention", *settings])
+    try:
+        flash_attention.measure(1, 256, 64)
+    finally:
+        flash_attention.FLAGS.unparse_flags()
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row["variant"] for row in rows] == ["mosaic default"] * 2
+    assert rows[1]["profile"] == {
+        "kernel_ms": {"flash_attention_dkv_dq_mosaic_gpu_kernel": 0.7444},
+        "device_ms": 1.2922,
+        "idle_ms": 0.0029,
+    }
+    assert traced == [(True, 3)]
+
+
 def test_jax_linear_attention_is_a_one_line_exit_where_it_is_not_installed(monkeypatch):
     monkeypatch.setitem(sys.modules, "jla", None)  # import jla raises ImportError
     with pytest.raises(SystemExit, match="--jax_linear_attention: the package is not installed"):
