@@ -220,12 +220,7 @@ def _kernels_apart(q, k, v, do, scale) -> dict:
 def _profile(grad, args, calls: int) -> dict:
     """Per call of grad(*args), traced `calls` times back to back: each GPU kernel's ms, their
     sum and the ms in which no kernel runs."""
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with profile.trace_steps(trace_dir):
-            for _ in range(calls):
-                out = grad(*args)
-            jax.block_until_ready(out)
-        found = profile.breakdown(trace_dir, calls, top=100)
+    found = profile.breakdown_of(lambda: [grad(*args) for _ in range(calls)], calls, top=100)
     return {
         "kernel_ms": {name: round(ms, 4) for name, ms, _ in found["kernels"]},
         "device_ms": round(found["device_ms_per_step"], 4),

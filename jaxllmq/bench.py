@@ -272,12 +272,15 @@ def run_bench(
         per_step.append(time.perf_counter() - t)
     profiled = None
     if profile_steps:
-        with tempfile.TemporaryDirectory() as trace_dir:
-            with profile.trace_steps(trace_dir):
-                for _ in range(profile_steps):
-                    state, m = step(state, batch)
-                jax.block_until_ready(m)
-            profiled = profile.breakdown(trace_dir, profile_steps, top=bench.profile_top)
+
+        def profiled_steps(state):
+            for _ in range(profile_steps):
+                state, m = step(state, batch)
+            return m
+
+        profiled = profile.breakdown_of(
+            lambda: profiled_steps(state), profile_steps, top=bench.profile_top
+        )
     tokens_per_step = grad_accumulation * rows * seq_len
     tokens_per_s = tokens_per_step * steps / total_s
     flops = model_cfg.flops_per_token(seq_len) * tokens_per_s

@@ -17,7 +17,9 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 from jax.profiler import ProfileData
@@ -160,6 +162,15 @@ def breakdown(log_dir: str, steps: int, top: int = 15) -> dict:
         "idle_before_kernels": [(k, per_step(v)) for k, v in lines["idle_before_kernel"].items()],
         "kernels": [(name, per_step(ns), count // steps) for name, (ns, count) in ranked],
     }
+
+
+def breakdown_of(run: Callable[[], Any], steps: int, top: int = 15) -> dict:
+    """breakdown of the `steps` steps that run() issues, traced into a temporary directory (run's
+    result is waited on before the trace stops)."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with trace_steps(trace_dir):
+            jax.block_until_ready(run())
+        return breakdown(trace_dir, steps, top)
 
 
 def format_breakdown(result: dict) -> str:
