@@ -16,7 +16,9 @@ FlashAttention-3's CUDA kernels for Hopper; with --flash_attn4, FlashAttention-4
 loops of matrix products, and whether ptxas serialized its matrix products
 (benchmarks/kernel_code.py), per head dim and --blocks setting, on a GPU or, with jax's CUDA
 plugin, on a machine without one. With --profile_calls, each variant's forward + backward traced
-after its timing: every kernel's time per call and the time no kernel runs.
+after its timing: every kernel's time per call and the time no kernel runs. With --energy_seconds,
+each variant's energy per call and the GPU's clock under sustained load, where a power cap can
+slow one kernel more than another.
 
     python3 -m benchmarks.flash_attention --shapes=8x2048,4x4096,2x8192 --head_dims=64,128
     python3 -m benchmarks.flash_attention --spills --head_dims=128 --blocks= --blocks=dkv_overlap=1
@@ -87,6 +89,16 @@ flags.DEFINE_integer(
     "each GPU kernel's ms, their sum and the ms in which no kernel runs (jaxllmq.profile): what "
     "runs beside the attention kernels. 0: no trace.",
     lower_bound=0,
+)
+flags.DEFINE_float(
+    "energy_seconds",
+    0.0,
+    "After timing, run each variant's forward + backward back to back for about this many "
+    "seconds, three times in turn, and add to its row the GPU's joules per call, watts, SM clock "
+    "(mean, least), the share of time its power cap held the clock down, and the ms per call over "
+    "those runs (sustained_ms), which a power cap can lengthen past the timed batches' (NVML, on "
+    "a GPU; bench.energy_in_turn). 0: not measured.",
+    lower_bound=0.0,
 )
 flags.DEFINE_bool(
     "spills",
@@ -314,9 +326,17 @@ def measure(b: int, t: int, d: int) -> None:
     fwd_bwd_s = bench.time_calls_in_turn(
         {name: lambda g=grad: g(q, k, v, do) for name, (_, grad) in built.items()}, calls=20
     )
+    energy = {name: {} for name in built}
+    if FLAGS.energy_seconds:
+        energy = bench.energy_in_turn(
+            {name: lambda g=grad: g(q, k, v, do) for name, (_, grad) in built.items()},
+            fwd_bwd_s,
+            seconds=FLAGS.energy_seconds,
+        )
     causal_ms = None  # ours causal with the default tiles, where timed
     for name in built:
         row = {"variant": name, "fwd_ms": 1e3 * fwd_s[name], "fwd_bwd_ms": 1e3 * fwd_bwd_s[name]}
+        row |= energy[name]
         if name == "mosaic default":
             causal_ms = row["fwd_bwd_ms"]
         if name in block_shares:

@@ -4,8 +4,9 @@
 
 Random init at a preset's shapes (jaxllmq's presets, so both sides train the same model), pure
 bf16 weights, synthetic tokens. Prints one JSON line: tokens/s, step time, MFU (jaxllmq's:
-ModelConfig.flops_per_token against the GPU's bf16 peak, jaxllmq/peaks.py), peak memory, compile time, and the
-loss every few steps.
+ModelConfig.flops_per_token against the GPU's bf16 peak, jaxllmq/peaks.py), peak memory, compile
+time, the loss every few steps, and the timed steps' energy and SM clock (as jaxllmq's bench gives
+them: telemetry.EnergyMeter).
 """
 
 import json
@@ -19,6 +20,7 @@ from absl import app, flags
 from jaxllmq.cli import flags as cli_flags
 from jaxllmq.model.architecture import preset
 from jaxllmq.peaks import peak_flops
+from jaxllmq.telemetry import EnergyMeter, Nvml
 
 flags.DEFINE_string("model", "llama-3.2-1b", "A jaxllmq preset.")
 flags.DEFINE_integer("batch_size", 8, "Rows per step.")
@@ -66,11 +68,12 @@ def main(argv: list[str]) -> None:
     compile_s = time.perf_counter() - t0
     losses, times = [], []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        losses.append(step())
-    torch.cuda.synchronize()
-    total = time.perf_counter() - t0
+    with EnergyMeter(Nvml(), [torch.cuda.current_device()]) as meter:
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            losses.append(step())
+        torch.cuda.synchronize()
+        total = time.perf_counter() - t0
     for _ in range(5):
         start.record()
         step()
@@ -96,6 +99,7 @@ def main(argv: list[str]) -> None:
                 "torch": torch.__version__,
                 "transformers": transformers.__version__,
             }
+            | meter.fields(per=args.steps, unit="step")
         )
     )
 

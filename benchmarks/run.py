@@ -259,14 +259,15 @@ def run_all(runs: list[Run], gpus: int, emit, timeout_s: int) -> None:
 
 
 def table(runs: list[Run], results: list[dict]) -> str:
-    """Per recipe, its runs in order: tokens/s, against the base, MFU, memory, step, compile."""
+    """Per recipe, its runs in order: tokens/s, against the base, MFU, memory, step, compile, and
+    on GPUs a step's joules and the mean SM clock while the steps ran ('-' where not read)."""
     by_label = {(r["recipe"], r["label"]): r for r in results}
     lines = []
     for recipe in dict.fromkeys(r.recipe for r in runs):
         lines.append(f"\n== {recipe}")
         lines.append(
             f"{'run':<36}{'tokens/s':>11}{'vs base':>9}{'MFU':>7}{'MFU fp8':>8}{'GiB':>7}"
-            f"{'step ms':>9}{'compile s':>10}"
+            f"{'step ms':>9}{'compile s':>10}{'J/step':>8}{'SM MHz':>8}"
         )
         for run in (r for r in runs if r.recipe == recipe):
             got = by_label.get((recipe, run.label))
@@ -279,11 +280,13 @@ def table(runs: list[Run], results: list[dict]) -> str:
                 per = got.get("devices", 1) if run.per_gpu else 1
                 ratio = f"{got['tokens_per_s'] / (per * base['tokens_per_s']):.3f}"
             pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+            num = lambda x, digits: "-" if x is None else f"{x:,.{digits}f}"  # noqa: E731
             gib = got.get("peak_memory_gib_per_device") or got.get("peak_memory_gib") or 0.0
             lines.append(
                 f"{run.label:<36}{got['tokens_per_s']:>11,.0f}{ratio:>9}"
                 f"{pct(got.get('mfu_spec')):>7}{pct(got.get('mfu_spec_fp8')):>8}{gib:>7.1f}"
                 f"{got.get('step_ms_median', 0):>9.1f}{got.get('compile_s', 0):>10.1f}"
+                f"{num(got.get('joules_per_step'), 1):>8}{num(got.get('sm_clock_mhz_mean'), 0):>8}"
             )
     return "\n".join(lines)
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.profiler import get_profiled_instructions_proto
 
-from jaxllmq import peaks, profile, train_step
+from jaxllmq import peaks, profile, telemetry, train_step
 from jaxllmq.data.pipeline import documents, to_global_arrays
 from jaxllmq.model.architecture import ModelConfig
 from jaxllmq.parallel.mesh import batch_rows, make_mesh
@@ -100,6 +100,39 @@ def time_calls_in_turn(
             wait(out)
             times[name].append((time.perf_counter() - t) / calls)
     return {name: statistics.median(seconds) for name, seconds in times.items()}
+
+
+def energy_in_turn(
+    calls_by_name: dict[str, Callable[[], Any]],
+    seconds_per_call: dict[str, float],
+    *,
+    seconds: float = 1.0,
+    rounds: int = 3,
+    devices: list[Any] | None = None,
+    wait: Callable[[Any], Any] = jax.block_until_ready,
+) -> dict[str, dict[str, float]]:
+    """Each named call's energy under sustained load: `rounds` rounds in which each call, in
+    turn, runs back to back for about `seconds` (by its `seconds_per_call`) and is waited for
+    once, metered (telemetry.EnergyMeter: joules per call, watts, the SM clock's mean and least,
+    the share of time the power cap held it down) on `devices` (default: the first local one),
+    with its ms per call over those regions ("sustained_ms"), which a power cap can lengthen
+    past the timed batches' few calls. A call's fields are {} where no GPU meter reads."""
+    devices = devices or jax.local_devices()[:1]
+    meters = {name: telemetry.EnergyMeter.of_devices(devices) for name in calls_by_name}
+    counts = {name: max(1, round(seconds / seconds_per_call[name])) for name in calls_by_name}
+    for _ in range(rounds):
+        for name, call in calls_by_name.items():
+            with meters[name]:
+                for _ in range(counts[name]):
+                    out = call()
+                wait(out)
+    fields_by_name = {}
+    for name, meter in meters.items():
+        fields = meter.fields(per=rounds * counts[name], unit="call")
+        if fields:
+            fields["sustained_ms"] = 1e3 * meter.seconds / (rounds * counts[name])
+        fields_by_name[name] = fields
+    return fields_by_name
 
 
 def matmul_ceiling(n: int = 8192) -> float:
@@ -256,13 +289,16 @@ def run_bench(
     for _ in range(bench.bench_warmup):
         state, m = step(state, batch)
     jax.block_until_ready(m)
-    # Throughput: steps back to back, as the host loop dispatches them.
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        state, m = step(state, batch)
-        losses.append(m["loss"])
-    jax.block_until_ready(m)
-    total_s = time.perf_counter() - t0
+    # Throughput: steps back to back, as the host loop dispatches them; on GPUs also their
+    # energy and clock, which a power cap holds down (telemetry.EnergyMeter).
+    here = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    with telemetry.EnergyMeter.of_devices(here) as meter:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            state, m = step(state, batch)
+            losses.append(m["loss"])
+        jax.block_until_ready(m)
+        total_s = time.perf_counter() - t0
     # Per-step times (synchronized) for the median and the spread.
     per_step = []
     for _ in range(min(steps, 10)):
@@ -330,6 +366,7 @@ def run_bench(
         "losses": [float(x) for x in losses[:: max(1, steps // 10)]],
         "jax_version": jax.__version__,
     }
+    out.update(meter.fields(per=steps, unit="step"))
     if profiled is not None:
         out["profile"] = profiled
     if on_gpu and bench.measure_matmul_ceiling:

@@ -37,6 +37,7 @@ def test_bench_reports_throughput_and_a_falling_loss():
     assert out["compile_s"] > 0 and out["mfu_spec"] is None and out["mfu_spec_fp8"] is None
     assert out["profile"]["device_ms_per_step"] == 0  # the trace ran; a CPU has no GPU streams
     assert out["kernels_used"] == dict.fromkeys(KERNELS, "xla")  # auto on CPU
+    assert "joules_per_step" not in out and "sm_clock_mhz_mean" not in out  # no GPU to meter
 
 
 def test_time_calls_waits_once_per_batch():
@@ -71,6 +72,52 @@ def test_time_calls_in_turn_takes_each_calls_batches_in_turn(monkeypatch):
     warmups = ["a", "wait a", "b", "wait b"]
     assert events == warmups + ["a", "a", "wait a", "b", "b", "wait b"] * 3
     assert seconds == {"a": 0.5, "b": 0.5}  # a batch of two calls spans one tick of the clock
+
+
+class FakeMeter:
+    """A meter that reads 6 J and a 1,500 MHz clock per region, or nothing (no GPU)."""
+
+    def __init__(self, reads: bool, events: list):
+        self.reads, self.events, self.regions, self.seconds = reads, events, 0, 0.0
+
+    def __enter__(self):
+        self.events.append("enter")
+
+    def __exit__(self, *exc):
+        self.events.append("exit")
+        self.regions += 1
+        self.seconds += 0.5
+
+    def fields(self, per, unit):
+        if not self.reads:
+            return {}
+        return {f"joules_per_{unit}": 6.0 * self.regions / per, "sm_clock_mhz_mean": 1500.0}
+
+
+def test_energy_in_turn_runs_each_call_for_its_seconds_in_turn_and_meters_it(monkeypatch):
+    """Each round runs each call back to back for about `seconds` (by its time per call) inside
+    its own meter, waited for once; each call's fields add its ms per call over the regions."""
+    events = []
+    meters = iter([FakeMeter(True, events), FakeMeter(False, events)])
+    monkeypatch.setattr(bench.telemetry.EnergyMeter, "of_devices", lambda devices: next(meters))
+
+    def call(name):
+        return lambda: events.append(name) or name
+
+    energy = bench.energy_in_turn(
+        {"a": call("a"), "b": call("b")},
+        {"a": 0.5, "b": 0.25},
+        seconds=1.0,
+        rounds=2,
+        wait=lambda out: events.append(f"wait {out}"),
+    )
+    one_round = ["enter", "a", "a", "wait a", "exit", "enter"] + ["b"] * 4 + ["wait b", "exit"]
+    assert events == one_round * 2
+    # a: 2 regions of 6 J over 4 calls, 0.5 s a region; b's meter read nothing: no fields.
+    assert energy == {
+        "a": {"joules_per_call": 3.0, "sm_clock_mhz_mean": 1500.0, "sustained_ms": 250.0},
+        "b": {},
+    }
 
 
 @pytest.mark.parametrize(

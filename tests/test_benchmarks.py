@@ -64,6 +64,8 @@ def test_the_table_compares_each_run_with_its_base():
             "tokens_per_s": 1300.0,
             "mfu_spec": 0.6,
             "mfu_spec_fp8": 0.3,
+            "joules_per_step": 61.25,
+            "sm_clock_mhz_mean": 1512.4,
             **row,
         },  # fmt: skip
     ]
@@ -72,6 +74,8 @@ def test_the_table_compares_each_run_with_its_base():
     assert line("2 GPUs ZeRO-1").split()[3:6] == ["1,900", "0.950", "47.5%"]
     assert "out of memory" in line("2 GPUs ZeRO-3")
     assert line("e4m3").split()[1:5] == ["1,300", "-", "60.0%", "30.0%"]  # its base did not run
+    assert line("e4m3").split()[-2:] == ["61.2", "1,512"]  # joules a step, the mean SM clock
+    assert line("1 GPU").split()[-2:] == ["-", "-"]  # not read (no NVML)
 
 
 def test_ab_runs_each_run_with_both_packages_b_against_a():
@@ -120,6 +124,25 @@ def test_command_line():
     ]
 
 
+def each_call_takes_1ms(monkeypatch) -> None:
+    """The flash bench's timing replaced: every variant's call takes 1 ms."""
+    monkeypatch.setattr(
+        flash_attention.bench,
+        "time_calls_in_turn",
+        lambda calls_by_name, calls: {name: 1e-3 for name in calls_by_name},
+    )
+
+
+def measured_rows(settings: list[str], capsys) -> list[dict]:
+    """The flash bench's JSON rows at one small shape (1 x 256, head dim 64) under `settings`."""
+    flash_attention.FLAGS(["flash_attention", *settings])
+    try:
+        flash_attention.measure(1, 256, 64)
+    finally:
+        flash_attention.FLAGS.unparse_flags()
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
 def test_the_flash_bench_times_the_tiles_the_model_runs():
     """--blocks specs change the head dim's default tiles (what the model runs), so the bench's
     default row at head dim 64 is the model's fused backward, not FlashBlocks' field defaults."""
@@ -164,18 +187,9 @@ def test_the_flash_bench_times_each_tile_setting_over_documents_and_windows_too(
         return fa.reference_attention(q, k, v, scale)  # the tiles are what is checked
 
     monkeypatch.setattr(fa, "flash_attention", attention)
-    monkeypatch.setattr(
-        flash_attention.bench,
-        "time_calls_in_turn",
-        lambda calls_by_name, calls: {name: 1e-3 for name in calls_by_name},
-    )
+    each_call_takes_1ms(monkeypatch)
     settings = ["--blocks=", "--blocks=per_warpgroup_code=1", "--windows=64", "--nocudnn"]
-    flash_attention.FLAGS(["flash_attention", *settings, "--noerrors"])
-    try:
-        flash_attention.measure(1, 256, 64)
-    finally:
-        flash_attention.FLAGS.unparse_flags()
-    rows = [json.loads(line)["variant"] for line in capsys.readouterr().out.splitlines()]
+    rows = [row["variant"] for row in measured_rows([*settings, "--noerrors"], capsys)]
     changed = dataclasses.replace(fa.default_blocks(64), per_warpgroup_code=True)
     assert rows == [
         "mosaic default",
@@ -209,12 +223,7 @@ def test_the_flash_bench_times_the_settings_that_run_in_turn_and_reports_the_res
     monkeypatch.setattr(fa, "flash_attention", attention)
     monkeypatch.setattr(flash_attention.bench, "time_calls_in_turn", in_turn)
     settings = ["--blocks=", "--blocks=per_warpgroup_code=1", "--windows=", "--nodocuments"]
-    flash_attention.FLAGS(["flash_attention", *settings, "--nocudnn", "--noerrors"])
-    try:
-        flash_attention.measure(1, 256, 64)
-    finally:
-        flash_attention.FLAGS.unparse_flags()
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    rows = measured_rows([*settings, "--nocudnn", "--noerrors"], capsys)
     assert rows[0]["variant"] == "mosaic per_warpgroup_code=1"
     assert "exceeds available shared memory" in rows[0]["error"]
     assert timed == [["mosaic default"], ["mosaic default"]]
@@ -238,19 +247,10 @@ def test_the_flash_bench_traces_each_variants_calls_where_asked(monkeypatch, cap
         return fa.reference_attention(q, k, v, scale)
 
     monkeypatch.setattr(fa, "flash_attention", attention)
-    monkeypatch.setattr(
-        flash_attention.bench,
-        "time_calls_in_turn",
-        lambda calls_by_name, calls: {name: 1e-3 for name in calls_by_name},
-    )
+    each_call_takes_1ms(monkeypatch)
     monkeypatch.setattr(flash_attention.profile, "breakdown", breakdown)
     settings = ["--windows=", "--nodocuments", "--nocudnn", "--noerrors", "--profile_calls=3"]
-    flash_attention.FLAGS(["flash_attention", *settings])
-    try:
-        flash_attention.measure(1, 256, 64)
-    finally:
-        flash_attention.FLAGS.unparse_flags()
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    rows = measured_rows(settings, capsys)
     assert [row["variant"] for row in rows] == ["mosaic default"] * 2
     assert rows[1]["profile"] == {
         "kernel_ms": {"flash_attention_dkv_dq_mosaic_gpu_kernel": 0.7444},
@@ -258,6 +258,28 @@ def test_the_flash_bench_traces_each_variants_calls_where_asked(monkeypatch, cap
         "idle_ms": 0.0029,
     }
     assert traced == [(True, 3)]
+
+
+def test_the_flash_bench_meters_each_variants_energy_where_asked(monkeypatch, capsys):
+    """--energy_seconds: each variant's forward + backward metered after the timing, for that
+    many seconds a round, from its timed ms; the fields join its row."""
+    metered = []
+
+    def energy_in_turn(calls_by_name, seconds_per_call, seconds):
+        metered.append((list(calls_by_name), seconds_per_call, seconds))
+        return {name: {"joules_per_call": 2.5, "sustained_ms": 1.1} for name in calls_by_name}
+
+    monkeypatch.setattr(
+        fa,
+        "flash_attention",
+        lambda q, k, v, *, scale, blocks: fa.reference_attention(q, k, v, scale),
+    )
+    each_call_takes_1ms(monkeypatch)
+    monkeypatch.setattr(flash_attention.bench, "energy_in_turn", energy_in_turn)
+    settings = ["--windows=", "--nodocuments", "--nocudnn", "--noerrors", "--energy_seconds=2"]
+    (row,) = measured_rows(settings, capsys)
+    assert metered == [(["mosaic default"], {"mosaic default": 1e-3}, 2.0)]
+    assert row["fwd_bwd_ms"] == 1.0 and row["joules_per_call"] == 2.5 and row["sustained_ms"] == 1.1
 
 
 def test_jax_linear_attention_is_a_one_line_exit_where_it_is_not_installed(monkeypatch):

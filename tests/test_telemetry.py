@@ -1,5 +1,6 @@
 """`gpu` record fields: only what the allocator and NVML really report, nothing faked."""
 
+import time
 import types
 
 import jax
@@ -116,7 +117,71 @@ def test_nvml_handle_follows_cuda_visible_devices(monkeypatch):
     nvml = telemetry.Nvml(fake_pynvml())
     d = FakeDevice(None)
     d.local_hardware_id = 1
-    assert nvml._handle(d) == ("handle", 5)
+    assert nvml.handle_of(telemetry.cuda_ordinal(d)) == ("handle", 5)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc")
     d.local_hardware_id = 0
-    assert nvml._handle(d) == ("handle", "GPU-abc")
+    assert nvml.handle_of(telemetry.cuda_ordinal(d)) == ("handle", "GPU-abc")
+
+
+def metered_pynvml(clocks_mhz, capped, unsupported=()):
+    """fake_pynvml whose energy counter rises 700 mJ a read and whose SM clock walks `clocks_mhz`
+    and power-cap bit `capped`, one step a read (holding the last)."""
+    nv = fake_pynvml(unsupported=unsupported)
+    reads = {"energy": 0, "clock": 0, "reasons": 0}
+
+    def energy(h):
+        if "nvmlDeviceGetTotalEnergyConsumption" in unsupported:
+            raise FakeNvmlError("not supported")
+        reads["energy"] += 1
+        return 10_000_000 + 700 * reads["energy"]
+
+    def walk(name, values):
+        def fn(h, *args):
+            i = min(reads[name], len(values) - 1)
+            reads[name] += 1
+            return values[i]
+
+        return fn
+
+    nv.nvmlDeviceGetTotalEnergyConsumption = energy
+    nv.nvmlDeviceGetClockInfo = walk("clock", clocks_mhz)
+    nv.nvmlDeviceGetCurrentClocksEventReasons = walk("reasons", [0x4 if c else 0 for c in capped])
+    return nv
+
+
+def test_energy_meter_sums_its_regions_and_samples_clock_and_power_cap(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nv = metered_pynvml([1980, 1500], [False, True])
+    meter = telemetry.EnergyMeter.of_devices([FakeDevice(None)], telemetry.Nvml(nv), 0.001)
+    for _ in range(2):
+        with meter:
+            time.sleep(0.05)
+    fields = meter.fields(per=4, unit="call")
+    # Two regions of 700 mJ each (one counter step between a region's two reads) over 4 calls.
+    assert fields["joules_per_call"] == 1.4 / 4
+    assert fields["watts"] == 1.4 / meter.seconds
+    assert 0.1 <= meter.seconds < 1
+    assert fields["sm_clock_mhz_min"] == 1500
+    assert 1500 < fields["sm_clock_mhz_mean"] < 1980  # the first sample 1980, the rest 1500
+    assert 0 < fields["power_capped_share"] < 1
+
+
+def test_energy_meter_leaves_out_what_it_cannot_read(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    no_counter = metered_pynvml([1700], [True], {"nvmlDeviceGetTotalEnergyConsumption"})
+    meter = telemetry.EnergyMeter.of_devices([FakeDevice(None)], telemetry.Nvml(no_counter), 0.001)
+    with meter:
+        time.sleep(0.02)
+    assert meter.fields(per=1, unit="step") == {
+        "sm_clock_mhz_mean": 1700,
+        "sm_clock_mhz_min": 1700,
+        "power_capped_share": 1.0,
+    }
+    # No NVML, or no GPU among the devices: no meter and no fields, the region still runs.
+    for meter in (
+        telemetry.EnergyMeter.of_devices([FakeDevice(None)], telemetry.Nvml(fake_pynvml(True))),
+        telemetry.EnergyMeter.of_devices(jax.local_devices(), telemetry.Nvml(fake_pynvml())),
+    ):
+        with meter:
+            pass
+        assert meter.fields(per=1, unit="step") == {}
