@@ -323,16 +323,11 @@ def measure(b: int, t: int, d: int) -> None:
     fwd_s = bench.time_calls_in_turn(
         {name: lambda f=fwd: f(q, k, v) for name, (fwd, _) in built.items()}, calls=20
     )
-    fwd_bwd_s = bench.time_calls_in_turn(
-        {name: lambda g=grad: g(q, k, v, do) for name, (_, grad) in built.items()}, calls=20
-    )
+    fwd_bwd_calls = {name: lambda g=grad: g(q, k, v, do) for name, (_, grad) in built.items()}
+    fwd_bwd_s = bench.time_calls_in_turn(fwd_bwd_calls, calls=20)
     energy = {name: {} for name in built}
     if FLAGS.energy_seconds:
-        energy = bench.energy_in_turn(
-            {name: lambda g=grad: g(q, k, v, do) for name, (_, grad) in built.items()},
-            fwd_bwd_s,
-            seconds=FLAGS.energy_seconds,
-        )
+        energy = bench.energy_in_turn(fwd_bwd_calls, fwd_bwd_s, seconds=FLAGS.energy_seconds)
     causal_ms = None  # ours causal with the default tiles, where timed
     for name in built:
         row = {"variant": name, "fwd_ms": 1e3 * fwd_s[name], "fwd_bwd_ms": 1e3 * fwd_bwd_s[name]}

@@ -117,8 +117,8 @@ def energy_in_turn(
     the share of time the power cap held it down) on `devices` (default: the first local one),
     with its ms per call over those regions ("sustained_ms"), which a power cap can lengthen
     past the timed batches' few calls. A call's fields are {} where no GPU meter reads."""
-    devices = devices or jax.local_devices()[:1]
-    meters = {name: telemetry.EnergyMeter.of_devices(devices) for name in calls_by_name}
+    devices, nvml = devices or jax.local_devices()[:1], telemetry.Nvml()
+    meters = {name: telemetry.EnergyMeter.of_devices(devices, nvml) for name in calls_by_name}
     counts = {name: max(1, round(seconds / seconds_per_call[name])) for name in calls_by_name}
     for _ in range(rounds):
         for name, call in calls_by_name.items():
@@ -128,9 +128,10 @@ def energy_in_turn(
                 wait(out)
     fields_by_name = {}
     for name, meter in meters.items():
-        fields = meter.fields(per=rounds * counts[name], unit="call")
+        calls = rounds * counts[name]
+        fields = meter.fields(per=calls, unit="call")
         if fields:
-            fields["sustained_ms"] = 1e3 * meter.seconds / (rounds * counts[name])
+            fields["sustained_ms"] = 1e3 * meter.seconds / calls
         fields_by_name[name] = fields
     return fields_by_name
 
@@ -291,8 +292,7 @@ def run_bench(
     jax.block_until_ready(m)
     # Throughput: steps back to back, as the host loop dispatches them; on GPUs also their
     # energy and clock, which a power cap holds down (telemetry.EnergyMeter).
-    here = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    with telemetry.EnergyMeter.of_devices(here) as meter:
+    with telemetry.EnergyMeter.of_devices(mesh.local_devices) as meter:
         t0 = time.perf_counter()
         for _ in range(steps):
             state, m = step(state, batch)

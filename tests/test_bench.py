@@ -99,7 +99,9 @@ def test_energy_in_turn_runs_each_call_for_its_seconds_in_turn_and_meters_it(mon
     its own meter, waited for once; each call's fields add its ms per call over the regions."""
     events = []
     meters = iter([FakeMeter(True, events), FakeMeter(False, events)])
-    monkeypatch.setattr(bench.telemetry.EnergyMeter, "of_devices", lambda devices: next(meters))
+    monkeypatch.setattr(
+        bench.telemetry.EnergyMeter, "of_devices", lambda devices, nvml: next(meters)
+    )
 
     def call(name):
         return lambda: events.append(name) or name
