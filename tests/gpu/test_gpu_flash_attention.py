@@ -52,6 +52,8 @@ def _outputs(attend, q, k, v, do):
         (128, fa.default_blocks(128, causal_len=T, device_kind="NVIDIA H200")),
         (128, fa.FlashBlocks(dq_in_dkv=True, per_warpgroup_code=True)),
         (64, dataclasses.replace(fa.default_blocks(64), per_warpgroup_code=True)),
+        (64, dataclasses.replace(fa.default_blocks(64), fwd_overlap=True)),
+        (128, fa.FlashBlocks(fwd_overlap=True)),
         (256, None),
     ],
     ids=[
@@ -67,6 +69,8 @@ def _outputs(attend, q, k, v, do):
         "128-causal-tiles",
         "128-dq-in-dkv-in-order",
         "64-per-warpgroup-code",
+        "64-forward-overlap",
+        "128-forward-overlap",
         "256",
     ],
 )

@@ -62,9 +62,13 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
             """An item's first key tile: that of its first row's first key (0 unbounded)."""
             return lax.div(first_keys[0], bk) if vis.bounded else jnp.int32(0)
 
+        # The warpgroups take turns at their products unless each overlaps its own.
+        turns = not blocks.fwd_overlap
+
         def take_turn():
-            plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(turn)
+            if turns:
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(turn)
 
         def compute(wg):
             plgpu.set_max_registers(common.COMPUTE_REGISTERS, action="increase")
@@ -111,27 +115,15 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
                 plgpu.barrier_wait(k_ready.at[ring(lo)])
                 pl.when(wg == 1)(take_turn)
 
-                def step(kb, carry, masked):
-                    acc, m, denom = carry
-                    slot = ring(kb)
+                def prefetch_rows():
+                    # Once this warpgroup's stores of the item before have left the other
+                    # buffer, the next item's rows load there.
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    pl.when(n + 1 < mine)(lambda: load_rows(n + 1))
 
-                    def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, q_smem.at[buf], k_smem.at[slot].transpose((1, 0)))
-                        take_turn()
-                        return acc_ref[...]
-
-                    s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-                    plgpu.barrier_arrive(k_free.at[slot])
-
-                    if prefetch:
-
-                        @pl.when(kb == lo)
-                        def _():
-                            # Once this warpgroup's stores of the item before have left the
-                            # other buffer, the next item's rows load there.
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                            pl.when(n + 1 < mine)(lambda: load_rows(n + 1))
-
+                def probabilities(s, kb, masked, m, denom):
+                    """Tile kb's scores s as probabilities relative to the new running max:
+                    (p, the new max, alpha that rescales what came before, the new sum)."""
                     if masked:
                         r = common.iota((bq, bk), 0) + row0
                         c = common.iota((bq, bk), 1) + kb * bk
@@ -145,8 +137,49 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
                     m_new = jnp.maximum(m, s.max(axis=1) * c2)
                     alpha = jnp.exp2(m - m_new)
                     p = jnp.exp2(s * c2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    return p, m_new, alpha, denom * alpha + p.sum(axis=1)
+
+                def scores(kb):
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, q_smem.at[buf], k_smem.at[ring(kb)].transpose((1, 0)))
+                        take_turn()
+                        return acc_ref[...]
+
+                    return pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+
+                def overlapped(kb, carry, masked):
+                    """Tile kb's S issued with tile kb - 1's P V: its softmax under that
+                    product, the output rescaled once both are done."""
+                    acc, m, denom, p16 = carry
+                    slot, prev = ring(kb), ring(kb - 1)
+                    plgpu.barrier_wait(k_ready.at[slot])
+
+                    def products(s_ref, o_ref):
+                        o_ref[...] = acc
+                        plgpu.wgmma(s_ref, q_smem.at[buf], k_smem.at[slot].transpose((1, 0)))
+                        plgpu.barrier_wait(v_ready.at[prev])
+                        plgpu.wgmma(o_ref, p16, v_smem.at[prev])
+                        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P V in flight
+                        plgpu.barrier_arrive(k_free.at[slot])
+                        p, m_new, alpha, denom_new = probabilities(s, kb, masked, m, denom)
+                        return o_ref[...], m_new, alpha, denom_new, p.astype(dtype)
+
+                    acc_pv, m_new, alpha, denom, p16 = pl.run_scoped(
+                        products, plgpu.ACC((bq, bk), jnp.float32), plgpu.ACC((bq, d), jnp.float32)
+                    )
+                    plgpu.barrier_arrive(v_free.at[prev])
+                    acc = acc_pv * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    return acc, m_new, denom, p16
+
+                def step(kb, carry, masked):
+                    acc, m, denom = carry
+                    slot = ring(kb)
+                    s = scores(kb)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    if prefetch:
+                        pl.when(kb == lo)(prefetch_rows)
+                    p, m_new, alpha, denom = probabilities(s, kb, masked, m, denom)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    denom = denom * alpha + p.sum(axis=1)
                     p16 = p.astype(dtype)
                     acc, denom, m_new, p16 = lax.optimization_barrier((acc, denom, m_new, p16))
                     plgpu.barrier_arrive(turn)
@@ -176,10 +209,28 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
                     take_turn()
                     take_turn()
 
-                carry = (acc, m, denom)
-                for start, end, masked in common.spans(lo, *unmasked, own_hi):
-                    carry = lax.fori_loop(start, end, functools.partial(step, masked=masked), carry)
-                acc, m, denom = carry
+                if blocks.fwd_overlap:
+                    # The first tile's scores alone (masked: right wherever it lies), the
+                    # last tile's P V alone after the loop.
+                    p, m, alpha, denom = probabilities(scores(lo), lo, True, m, denom)
+                    plgpu.barrier_arrive(k_free.at[ring(lo)])
+                    if prefetch:
+                        prefetch_rows()
+                    carry = (acc, m, denom, p.astype(dtype))
+                    for start, end, masked in common.spans(lo, *unmasked, own_hi):
+                        body = functools.partial(overlapped, masked=masked)
+                        carry = lax.fori_loop(jnp.maximum(start, lo + 1), end, body, carry)
+                    acc, m, denom, p16 = carry
+                    last = ring(own_hi - 1)
+                    plgpu.barrier_wait(v_ready.at[last])
+                    acc = common.add_product(acc, p16, v_smem.at[last])
+                    plgpu.barrier_arrive(v_free.at[last])
+                else:
+                    carry = (acc, m, denom)
+                    for start, end, masked in common.spans(lo, *unmasked, own_hi):
+                        body = functools.partial(step, masked=masked)
+                        carry = lax.fori_loop(start, end, body, carry)
+                    acc, m, denom = carry
                 lax.fori_loop(own_hi, hi, release, None)
                 pl.when(wg == 0)(take_turn)
 
