@@ -62,13 +62,20 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
             """An item's first key tile: that of its first row's first key (0 unbounded)."""
             return lax.div(first_keys[0], bk) if vis.bounded else jnp.int32(0)
 
-        # The warpgroups take turns at their products unless each overlaps its own.
-        turns = not blocks.fwd_overlap
+        # The warpgroups meet twice a step, so that they take turns issuing their products.
+        turns = blocks.fwd_turns
 
-        def take_turn():
+        def arrive_turn():
             if turns:
                 plgpu.barrier_arrive(turn)
+
+        def wait_turn():
+            if turns:
                 plgpu.barrier_wait(turn)
+
+        def take_turn():
+            arrive_turn()
+            wait_turn()
 
         def compute(wg):
             plgpu.set_max_registers(common.COMPUTE_REGISTERS, action="increase")
@@ -156,9 +163,11 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
 
                     def products(s_ref, o_ref):
                         o_ref[...] = acc
+                        take_turn()
                         plgpu.wgmma(s_ref, q_smem.at[buf], k_smem.at[slot].transpose((1, 0)))
                         plgpu.barrier_wait(v_ready.at[prev])
                         plgpu.wgmma(o_ref, p16, v_smem.at[prev])
+                        take_turn()
                         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P V in flight
                         plgpu.barrier_arrive(k_free.at[slot])
                         p, m_new, alpha, denom_new = probabilities(s, kb, masked, m, denom)
@@ -182,9 +191,9 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                     p16 = p.astype(dtype)
                     acc, denom, m_new, p16 = lax.optimization_barrier((acc, denom, m_new, p16))
-                    plgpu.barrier_arrive(turn)
+                    arrive_turn()
                     plgpu.barrier_wait(v_ready.at[slot])
-                    plgpu.barrier_wait(turn)
+                    wait_turn()
 
                     def pv(refs):
                         plgpu.wgmma(refs[0], p16, v_smem.at[slot])
@@ -211,7 +220,8 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
 
                 if blocks.fwd_overlap:
                     # The first tile's scores alone (masked: right wherever it lies), the
-                    # last tile's P V alone after the loop.
+                    # last tile's P V alone after the loop; each issue between two turns.
+                    take_turn()
                     p, m, alpha, denom = probabilities(scores(lo), lo, True, m, denom)
                     plgpu.barrier_arrive(k_free.at[ring(lo)])
                     if prefetch:
@@ -223,7 +233,9 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
                     acc, m, denom, p16 = carry
                     last = ring(own_hi - 1)
                     plgpu.barrier_wait(v_ready.at[last])
+                    take_turn()
                     acc = common.add_product(acc, p16, v_smem.at[last])
+                    take_turn()
                     plgpu.barrier_arrive(v_free.at[last])
                 else:
                     carry = (acc, m, denom)

@@ -46,11 +46,14 @@ class FlashBlocks:
     block_q: int = 64  # forward: query rows per compute warpgroup (a CTA takes two)
     block_kv: int = 128  # forward: keys per step
     stages: int = 2  # forward: key/value tiles in flight
+    # Forward: the two compute warpgroups take turns issuing their products (meeting twice a
+    # step), so that one's softmax runs under the other's products.
+    fwd_turns: bool = True
     # Forward: each compute warpgroup issues a key tile's S with the tile before's P V and works
-    # out the softmax under that product, instead of the two warpgroups taking turns. Compiled
-    # for an H200: at 128 its unmasked loop takes 472 instructions a step against 499, with no
-    # spills in its loops; at 64 over 256-key tiles it spills 964 / 1,076 bytes and ptxas
-    # serializes its products. Not yet timed.
+    # out the softmax under that product. Compiled for an H200: at 128 its unmasked loop takes
+    # 472 instructions a step without turns and 511-527 with them, against the default's 499,
+    # with no spills in its loops; at 64 over 256-key tiles it spills 964 / 1,076 bytes and
+    # ptxas serializes its products. Not yet timed.
     fwd_overlap: bool = False
     dkv_block_kv: int = 64  # dK/dV: keys per compute warpgroup (a CTA takes two)
     dkv_block_q: int = 64  # dK/dV: query rows per step
