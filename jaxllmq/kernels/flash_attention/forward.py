@@ -222,7 +222,7 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
                     # The first tile's scores alone (masked: right wherever it lies), the
                     # last tile's P V alone after the loop; each issue between two turns.
                     take_turn()
-                    p, m, alpha, denom = probabilities(scores(lo), lo, True, m, denom)
+                    p, m, _, denom = probabilities(scores(lo), lo, True, m, denom)
                     plgpu.barrier_arrive(k_free.at[ring(lo)])
                     if prefetch:
                         prefetch_rows()
