@@ -15,10 +15,13 @@ turn, loading the next block's rows while it finishes the last), which made it 4
 backward's kernels keep a CTA per block, as persistent they were no faster. Each compute
 warpgroup issues wgmma for S = Q K^T, runs an online softmax in fp32 registers and issues wgmma
 for O += P V with P straight from registers; a barrier shared by the two compute warpgroups
-staggers them, so that one's softmax runs while the other's matmuls occupy the tensor cores. The
-backward recomputes P per tile from the forward's logsumexp: one kernel accumulates dK and dV
-per key tile over the query tiles that see it (all query heads of its GQA group, so K and V are
-never repeated in memory), another dQ per query tile. By default the dK/dV kernel adds dQ up
+staggers them, so that one's softmax runs while the other's matmuls occupy the tensor cores. At
+head dim 128, plain causal attention's forward instead issues each key tile's S with the tile
+before's P V and runs the softmax under that product, each warpgroup on its own
+(FlashBlocks.fwd_overlap, without fwd_turns). The backward recomputes P per tile from the
+forward's logsumexp: one kernel accumulates dK and dV per key tile over the query tiles that
+see it (all query heads of its GQA group, so K and V are never repeated in memory), another dQ
+per query tile. By default the dK/dV kernel adds dQ up
 too (FlashBlocks.dq_in_dkv: five matmuls a tile, not seven; at head dim 128 each compute
 warpgroup forms half of dQ's columns), by fp32 reduce-adds whose order, and so whose rounding,
 varies from run to run; `deterministic` calls keep dQ's own kernel, which writes each tile once.

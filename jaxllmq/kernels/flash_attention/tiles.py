@@ -50,10 +50,10 @@ class FlashBlocks:
     # step), so that one's softmax runs under the other's products.
     fwd_turns: bool = True
     # Forward: each compute warpgroup issues a key tile's S with the tile before's P V and works
-    # out the softmax under that product. Compiled for an H200: at 128 its unmasked loop takes
-    # 472 instructions a step without turns and 511-527 with them, against the default's 499,
-    # with no spills in its loops; at 64 over 256-key tiles it spills 964 / 1,076 bytes and
-    # ptxas serializes its products. Not yet timed.
+    # out the softmax under that product (at 128 its unmasked loop takes 472 instructions a step
+    # without turns, 511-527 with them, against 499 in order; no spills in its loops). At 64
+    # over 256-key tiles it spills and ptxas serializes its products; over 128-key tiles it was
+    # 4-5% slower than in order on an H100 without turns, 31% with them.
     fwd_overlap: bool = False
     dkv_block_kv: int = 64  # dK/dV: keys per compute warpgroup (a CTA takes two)
     dkv_block_q: int = 64  # dK/dV: query rows per step
@@ -118,32 +118,34 @@ def default_blocks(
     head_dim: int, deterministic: bool = False, causal_len: int = 0, device_kind: str | None = None
 ) -> FlashBlocks:
     """The tiles for a head dim (those of the kernel head dim it runs at), as measured on an H200
-    (causal, 8 x 2048 to 2 x 8192, 32 query and 8 key heads); `causal_len`: the sequence length
-    of plain causal attention (0 with documents or a window); `device_kind`: jax's name of the
-    GPU the kernels run on (DQ_BY_HALVES_GPUS; None: kernel_device_kind()). At head dim 64 the
-    forward takes 256-key tiles from WIDE_KEY_TILES_FROM on (plain causal only: documents and
-    windows skip whole key tiles, which 128 keys keep finer). At head dim 64, dQ added up in the
-    dK/dV kernel, whose steps overlap (dq_in_dkv, dkv_overlap, 64-row steps: forward + backward
-    8-12% faster than dQ's own kernel since dS^T's ring), its key and value tiles in registers
-    (0.8-4.7% faster again; at 128 or with 128-row steps they spill, 1.1-1.25x slower), and four
-    stages of its query rows and dO in flight (1.0-2.5% faster than two; three were 1.5%
-    slower). Under `deterministic` dQ runs in its own kernel, with steps of 128 keys; dK/dV
-    keeps the overlapped 64-row steps, the register-held tiles and the four stages (3.4-4.3%
-    faster than its 128-row steps in order, themselves 5% faster than 64-row steps in order with
-    dQ's steps of 64; four stages 2% faster than two at 8 x 2048, level at the longer shapes).
-    At head dim 128, 128-row steps spill registers (1.3-1.4x slower); for plain causal attention
-    dQ is added up in the dK/dV kernel by column halves in overlapped steps, dS^T formed before
-    dV's product, each warpgroup's code its own and the mask's offset first, dK/dV's CTAs in
-    sections of DKV_SECTION_BYTES (on an H200 in one section level at 8 x 2048 and 3-6% faster at
-    4 x 4096 and 2 x 8192 than dQ's own kernel, in sections 2-6% faster again; on the
-    DQ_BY_HALVES_GPUS only; under `deterministic` dQ's own kernel, with the last two, 0.3-1%
-    faster). Over documents or within a window that backward was 1.09-1.17x and 1.05x slower,
-    so they keep the two kernels, with the last two as well (over documents 5-8% faster at
-    2 x 8192, within a window of 1024 3%, level at 8 x 2048 and 4 x 4096). The two kernels at 128
-    run dK/dV's CTAs in one section (0.4-2% faster than sections of 32 MiB, which are 1-3% faster
-    at 64) and wait for a step's four loads one by one (1.5-2% faster than on one barrier, which
-    is 2.6-2.9% faster at 64). Three forward stages were no faster at 64, 192-key forward tiles
-    1.3-1.8x slower; neither, nor 256-key tiles, fits shared memory at 128."""
+    (causal, 8 x 2048 to 2 x 8192, 32 query and 8 key heads); `causal_len`: the sequence length of
+    plain causal attention (0 with documents or a window); `device_kind`: jax's name of the GPU the
+    kernels run on (DQ_BY_HALVES_GPUS; None: kernel_device_kind()). At head dim 64 the forward takes
+    256-key tiles from WIDE_KEY_TILES_FROM on (plain causal only: documents and windows skip whole
+    key tiles, which 128 keys keep finer). At head dim 64, dQ added up in the dK/dV kernel, whose
+    steps overlap (dq_in_dkv, dkv_overlap, 64-row steps: forward + backward 8-12% faster than dQ's
+    own kernel since dS^T's ring), its key and value tiles in registers (0.8-4.7% faster again; at
+    128 or with 128-row steps they spill, 1.1-1.25x slower), and four stages of its query rows and
+    dO in flight (1.0-2.5% faster than two; three were 1.5% slower). Under `deterministic` dQ runs
+    in its own kernel, with steps of 128 keys; dK/dV keeps the overlapped 64-row steps, the
+    register-held tiles and the four stages (3.4-4.3% faster than its 128-row steps in order,
+    themselves 5% faster than 64-row steps in order with dQ's steps of 64; four stages 2% faster
+    than two at 8 x 2048, level at the longer shapes). At head dim 128, plain causal attention's
+    forward overlaps each warpgroup's softmax with its P V product, the warpgroups not taking turns
+    (on an H100 the forward 4-10% faster at 4 x 4096 and 2 x 8192, level at 8 x 2048; forward +
+    backward level, within 3% either way; with turns 9% slower at 4 x 4096). 128-row steps spill
+    registers (1.3-1.4x slower); for plain causal attention dQ is added up in the dK/dV kernel by
+    column halves in overlapped steps, dS^T formed before dV's product, each warpgroup's code its
+    own and the mask's offset first, dK/dV's CTAs in sections of DKV_SECTION_BYTES (on an H200 in
+    one section level at 8 x 2048 and 3-6% faster at 4 x 4096 and 2 x 8192 than dQ's own kernel, in
+    sections 2-6% faster again; on the DQ_BY_HALVES_GPUS only; under `deterministic` dQ's own
+    kernel, with the last two, 0.3-1% faster). Over documents or within a window that backward was
+    1.09-1.17x and 1.05x slower, so they keep the two kernels, with the last two as well (over
+    documents 5-8% faster at 2 x 8192, within a window of 1024 3%, level at 8 x 2048 and 4 x 4096).
+    The two kernels at 128 run dK/dV's CTAs in one section (0.4-2% faster than sections of 32 MiB,
+    which are 1-3% faster at 64) and wait for a step's four loads one by one (1.5-2% faster than on
+    one barrier, which is 2.6-2.9% faster at 64). Three forward stages were no faster at 64, 192-key
+    forward tiles 1.3-1.8x slower; neither, nor 256-key tiles, fits shared memory at 128."""
     kernel_d = kernel_head_dim(head_dim)
     if kernel_d == 64:
         return FlashBlocks(
@@ -159,6 +161,8 @@ def default_blocks(
         model = peaks.gpu_model(kind)
         fused = causal_len > 0 and not deterministic and model in DQ_BY_HALVES_GPUS
         return FlashBlocks(
+            fwd_overlap=causal_len > 0,
+            fwd_turns=causal_len == 0,
             dkv_section=None if fused else 0,
             dkv_one_ready=False,
             dq_in_dkv=fused,
