@@ -46,14 +46,16 @@ class FlashBlocks:
     block_q: int = 64  # forward: query rows per compute warpgroup (a CTA takes two)
     block_kv: int = 128  # forward: keys per step
     stages: int = 2  # forward: key/value tiles in flight
-    # Forward: the two compute warpgroups take turns issuing their products (meeting twice a
-    # step), so that one's softmax runs under the other's products.
+    # Forward: the two compute warpgroups take turns issuing their products, so that one's
+    # softmax runs under the other's products. In order they meet twice a step; overlapped each
+    # waits for its turn, issues, and hands the turn to the other without waiting for it.
     fwd_turns: bool = True
     # Forward: each compute warpgroup issues a key tile's S with the tile before's P V and works
-    # out the softmax under that product (at 128 its unmasked loop takes 472 instructions a step
-    # without turns, 511-527 with them, against 499 in order; no spills in its loops). At 64
-    # over 256-key tiles it spills and ptxas serializes its products; over 128-key tiles it was
-    # 4-5% slower than in order on an H100 without turns, 31% with them.
+    # out the softmax under that product (at 128 its unmasked loop takes 466 instructions a step
+    # without turns, 514 with them, against 499 in order; no spills in its loops). Over
+    # 128-key tiles at 64 it was 4-5% slower than in order on an H100 without turns; with turns
+    # that met twice a step, as in order, 31% slower at 64 and 9% at 128 (handing the turn on
+    # not yet timed).
     fwd_overlap: bool = False
     dkv_block_kv: int = 64  # dK/dV: keys per compute warpgroup (a CTA takes two)
     dkv_block_q: int = 64  # dK/dV: query rows per step
