@@ -62,10 +62,9 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
             """An item's first key tile: that of its first row's first key (0 unbounded)."""
             return lax.div(first_keys[0], bk) if vis.bounded else jnp.int32(0)
 
-        # The warpgroups take turns issuing their products: in order they meet twice a step;
-        # overlapped each hands the turn to the other once it has issued (FlashBlocks.fwd_turns).
-        turns = blocks.fwd_turns
-        handoff = turns and blocks.fwd_overlap
+        # In order, the warpgroups meet twice a step, so that they take turns issuing their
+        # products; overlapped, they issue as they come (FlashBlocks.fwd_turns).
+        turns = blocks.fwd_turns and not blocks.fwd_overlap
 
         def arrive_turn():
             if turns:
@@ -81,20 +80,6 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
 
         def compute(wg):
             plgpu.set_max_registers(common.COMPUTE_REGISTERS, action="increase")
-
-            def before_issue():
-                """Wait for this warpgroup's turn to issue."""
-                if handoff:
-                    plgpu.barrier_wait(turn.at[wg])
-                else:
-                    take_turn()
-
-            def after_issue():
-                """Pass the turn on (in order: meet the other warpgroup again)."""
-                if handoff:
-                    plgpu.barrier_arrive(turn.at[1 - wg])
-                else:
-                    take_turn()
 
             def row_buffer(n):
                 """The buffer of this warpgroup's rows of its n-th item."""
@@ -136,8 +121,7 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
                 denom = common.zeros((bq,))
                 acc = common.zeros((bq, d))
                 plgpu.barrier_wait(k_ready.at[ring(lo)])
-                if not handoff:
-                    pl.when(wg == 1)(take_turn)
+                pl.when(wg == 1)(take_turn)
 
                 def prefetch_rows():
                     # Once this warpgroup's stores of the item before have left the other
@@ -166,7 +150,7 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
                 def scores(kb):
                     def qk(acc_ref):
                         plgpu.wgmma(acc_ref, q_smem.at[buf], k_smem.at[ring(kb)].transpose((1, 0)))
-                        after_issue()
+                        take_turn()
                         return acc_ref[...]
 
                     return pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
@@ -180,11 +164,9 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
 
                     def products(s_ref, o_ref):
                         o_ref[...] = acc
-                        before_issue()
                         plgpu.wgmma(s_ref, q_smem.at[buf], k_smem.at[slot].transpose((1, 0)))
                         plgpu.barrier_wait(v_ready.at[prev])
                         plgpu.wgmma(o_ref, p16, v_smem.at[prev])
-                        after_issue()
                         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P V in flight
                         plgpu.barrier_arrive(k_free.at[slot])
                         p, m_new, alpha, denom_new = probabilities(s, kb, masked, m, denom)
@@ -232,13 +214,12 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
                     plgpu.barrier_arrive(k_free.at[slot])
                     plgpu.barrier_wait(v_ready.at[slot])
                     plgpu.barrier_arrive(v_free.at[slot])
-                    before_issue()
-                    after_issue()
+                    take_turn()
+                    take_turn()
 
                 if blocks.fwd_overlap:
                     # The first tile's scores alone (masked: right wherever it lies), the
-                    # last tile's P V alone after the loop; each issue between two turns.
-                    before_issue()
+                    # last tile's P V alone after the loop.
                     p, m, _, denom = probabilities(scores(lo), lo, True, m, denom)
                     plgpu.barrier_arrive(k_free.at[ring(lo)])
                     if prefetch:
@@ -250,9 +231,7 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
                     acc, m, denom, p16 = carry
                     last = ring(own_hi - 1)
                     plgpu.barrier_wait(v_ready.at[last])
-                    before_issue()
                     acc = common.add_product(acc, p16, v_smem.at[last])
-                    after_issue()
                     plgpu.barrier_arrive(v_free.at[last])
                 else:
                     carry = (acc, m, denom)
@@ -261,8 +240,7 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
                         carry = lax.fori_loop(start, end, body, carry)
                     acc, m, denom = carry
                 lax.fori_loop(own_hi, hi, release, None)
-                if not handoff:
-                    pl.when(wg == 0)(take_turn)
+                pl.when(wg == 0)(take_turn)
 
                 o = acc * lax.broadcast_in_dim(1.0 / denom, acc.shape, [0])
                 q_smem.at[buf][...] = o.astype(dtype)
@@ -276,8 +254,6 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
                 return (before + hi - lo, *ahead)
 
             load_rows(0)
-            if handoff:  # the first turn is the first warpgroup's
-                pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
             first = (jnp.int32(0), *first_keys_ahead(0, own_first_keys))
             lax.fori_loop(0, mine, item, first)
             plgpu.wait_smem_to_gmem(0)
@@ -313,9 +289,7 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
             plgpu.Barrier(num_barriers=8),
         ),
         (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
-        plgpu.Barrier(num_arrivals=1, num_barriers=2)
-        if blocks.fwd_turns and blocks.fwd_overlap
-        else plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(num_arrivals=2),
     ]
     out_type = (
         jax.ShapeDtypeStruct(q.shape, dtype),
