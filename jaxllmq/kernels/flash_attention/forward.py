@@ -65,6 +65,7 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
         # In order, the warpgroups meet twice a step, so that they take turns issuing their
         # products; overlapped, they issue as they come (FlashBlocks.fwd_turns).
         turns = blocks.fwd_turns and not blocks.fwd_overlap
+        early_rescale = blocks.fwd_early_rescale
 
         def arrive_turn():
             if turns:
@@ -155,16 +156,24 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
 
                     return pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
 
+                def rescaled(acc, alpha):
+                    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
                 def overlapped(kb, carry, masked):
                     """Tile kb's S issued with tile kb - 1's P V: its softmax under that
-                    product, the output rescaled once both are done."""
-                    acc, m, denom, p16 = carry
+                    product. The output is rescaled by tile kb's alpha once both are done, or
+                    (fwd_early_rescale) by tile kb - 1's between the two issues, under S,
+                    tile kb's alpha then pending in the carry."""
+                    acc, m, denom, p16, *pending = carry
                     slot, prev = ring(kb), ring(kb - 1)
                     plgpu.barrier_wait(k_ready.at[slot])
 
                     def products(s_ref, o_ref):
-                        o_ref[...] = acc
+                        if not early_rescale:
+                            o_ref[...] = acc
                         plgpu.wgmma(s_ref, q_smem.at[buf], k_smem.at[slot].transpose((1, 0)))
+                        if early_rescale:
+                            o_ref[...] = rescaled(acc, *pending)
                         plgpu.barrier_wait(v_ready.at[prev])
                         plgpu.wgmma(o_ref, p16, v_smem.at[prev])
                         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P V in flight
@@ -176,8 +185,9 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
                         products, plgpu.ACC((bq, bk), jnp.float32), plgpu.ACC((bq, d), jnp.float32)
                     )
                     plgpu.barrier_arrive(v_free.at[prev])
-                    acc = acc_pv * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    return acc, m_new, denom, p16
+                    if early_rescale:
+                        return acc_pv, m_new, denom, p16, alpha
+                    return rescaled(acc_pv, alpha), m_new, denom, p16
 
                 def step(kb, carry, masked):
                     acc, m, denom = carry
@@ -187,7 +197,7 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
                     if prefetch:
                         pl.when(kb == lo)(prefetch_rows)
                     p, m_new, alpha, denom = probabilities(s, kb, masked, m, denom)
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    acc = rescaled(acc, alpha)
                     p16 = p.astype(dtype)
                     acc, denom, m_new, p16 = lax.optimization_barrier((acc, denom, m_new, p16))
                     arrive_turn()
@@ -220,15 +230,18 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
                 if blocks.fwd_overlap:
                     # The first tile's scores alone (masked: right wherever it lies), the
                     # last tile's P V alone after the loop.
-                    p, m, _, denom = probabilities(scores(lo), lo, True, m, denom)
+                    # The first alpha rescales the zero output: no matter.
+                    p, m, alpha, denom = probabilities(scores(lo), lo, True, m, denom)
                     plgpu.barrier_arrive(k_free.at[ring(lo)])
                     if prefetch:
                         prefetch_rows()
-                    carry = (acc, m, denom, p.astype(dtype))
+                    carry = (acc, m, denom, p.astype(dtype)) + ((alpha,) if early_rescale else ())
                     for start, end, masked in common.spans(lo, *unmasked, own_hi):
                         body = functools.partial(overlapped, masked=masked)
                         carry = lax.fori_loop(jnp.maximum(start, lo + 1), end, body, carry)
-                    acc, m, denom, p16 = carry
+                    acc, m, denom, p16, *pending = carry
+                    if early_rescale:
+                        acc = rescaled(acc, *pending)
                     last = ring(own_hi - 1)
                     plgpu.barrier_wait(v_ready.at[last])
                     acc = common.add_product(acc, p16, v_smem.at[last])

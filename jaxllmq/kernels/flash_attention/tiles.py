@@ -56,6 +56,12 @@ class FlashBlocks:
     # to the other once it had issued 2-7%. At 64 over 256-key tiles it spills and ptxas
     # serializes its products; over 128-key tiles it was 4-5% slower than in order.
     fwd_overlap: bool = False
+    # The overlapped forward: the output rescaled by the tile before's alpha between the two
+    # products' issues, under S, as FlashAttention-3 orders them, rather than after P V is done
+    # (compiled at 128: 466 instructions a step unmasked, as before; ptxas still places 35 of
+    # the rescale's 64 multiplies ahead of S's issue, against all of them; 769 masked, against
+    # 706). Not yet timed.
+    fwd_early_rescale: bool = False
     dkv_block_kv: int = 64  # dK/dV: keys per compute warpgroup (a CTA takes two)
     dkv_block_q: int = 64  # dK/dV: query rows per step
     dkv_stages: int = 2
