@@ -346,3 +346,47 @@ def spans(lo, unmasked_start, unmasked_end, hi):
         (unmasked_start, unmasked_end, False),
         (unmasked_end, hi, True),
     )
+
+
+def hold_registers(array, scratch):
+    """Keeps a WGMMA-layout register array live to this point in ptxas's eyes: each of its 32-bit
+    registers goes into a shared memory store predicated on the SM clock reading 0xffffffff,
+    which ptxas cannot rule out; where it ever holds, the stores land in `scratch` (16 bytes
+    that nothing reads). Without a use after an asynchronous product that reads the array, ptxas
+    treats its registers as free once the product is issued and waits for the product before
+    reusing them. 16-bit elements (two a register)."""
+    # Mosaic GPU's own modules, imported here so that only this setting depends on them.
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import llvm, vector
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+    def hold(_, values, ref):
+        i32 = ir.IntegerType.get_signless(32)
+        regs = []
+        for reg in values.registers.flat:
+            [width] = ir.VectorType(reg.type).shape
+            words = ir.VectorType.get((width // 2,), i32)
+            packed = vector.bitcast(words, reg)
+            for i in range(width // 2):
+                position = ir.DenseI64ArrayAttr.get([i])
+                regs.append(vector.extract(packed, dynamic_position=[], static_position=position))
+        assert len(regs) % 4 == 0, len(regs)
+        address = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(ref))
+        at = len(regs)
+        stores = "".join(
+            f"@q st.shared.v4.b32 [${at}], {{${i}, ${i + 1}, ${i + 2}, ${i + 3}}}; "
+            for i in range(0, len(regs), 4)
+        )
+        ptx = (
+            "{ .reg .pred q; .reg .u32 c; mov.u32 c, %clock; setp.eq.u32 q, c, -1; " + stores + "}"
+        )
+        llvm.inline_asm(
+            ir.Type.parse("!llvm.void"),
+            [*regs, address],
+            ptx,
+            ",".join(["r"] * (len(regs) + 1)),
+            has_side_effects=True,
+        )
+
+    hold(array, scratch)

@@ -34,7 +34,7 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
             fk_ref, o_ref, lse_ref, *scoped = rest
         else:
             fk_ref, (o_ref, lse_ref, *scoped) = None, rest
-        (q_smem, k_smem, v_smem, fk_smem, lse_smem), ready, free, turn = scoped
+        (q_smem, k_smem, v_smem, fk_smem, lse_smem, *hold_smem), ready, free, turn = scoped
         k_ready, v_ready, rows_ready = ready
         k_free, v_free = free
         wg = lax.axis_index("wg")
@@ -65,7 +65,6 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
         # In order, the warpgroups meet twice a step, so that they take turns issuing their
         # products; overlapped, they issue as they come (FlashBlocks.fwd_turns).
         turns = blocks.fwd_turns and not blocks.fwd_overlap
-        early_rescale = blocks.fwd_early_rescale
 
         def arrive_turn():
             if turns:
@@ -161,33 +160,34 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
 
                 def overlapped(kb, carry, masked):
                     """Tile kb's S issued with tile kb - 1's P V: its softmax under that
-                    product. The output is rescaled by tile kb's alpha once both are done, or
-                    (fwd_early_rescale) by tile kb - 1's between the two issues, under S,
-                    tile kb's alpha then pending in the carry."""
-                    acc, m, denom, p16, *pending = carry
+                    product, the output rescaled once both are done."""
+                    acc, m, denom, p16 = carry
                     slot, prev = ring(kb), ring(kb - 1)
                     plgpu.barrier_wait(k_ready.at[slot])
 
                     def products(s_ref, o_ref):
-                        if not early_rescale:
-                            o_ref[...] = acc
+                        o_ref[...] = acc
                         plgpu.wgmma(s_ref, q_smem.at[buf], k_smem.at[slot].transpose((1, 0)))
-                        if early_rescale:
-                            o_ref[...] = rescaled(acc, *pending)
                         plgpu.barrier_wait(v_ready.at[prev])
                         plgpu.wgmma(o_ref, p16, v_smem.at[prev])
                         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P V in flight
                         plgpu.barrier_arrive(k_free.at[slot])
                         p, m_new, alpha, denom_new = probabilities(s, kb, masked, m, denom)
-                        return o_ref[...], m_new, alpha, denom_new, p.astype(dtype)
+                        if not blocks.fwd_hold_p:
+                            return o_ref[...], m_new, alpha, denom_new, p.astype(dtype)
+                        acc_pv = rescaled(o_ref[...], alpha)
+                        # Else ptxas, taking P's registers as free once P V is issued, reuses
+                        # them for the new max and waits for P V before computing it.
+                        common.hold_registers(p16, *hold_smem)
+                        return acc_pv, m_new, alpha, denom_new, p.astype(dtype)
 
-                    acc_pv, m_new, alpha, denom, p16 = pl.run_scoped(
+                    acc, m_new, alpha, denom, p16 = pl.run_scoped(
                         products, plgpu.ACC((bq, bk), jnp.float32), plgpu.ACC((bq, d), jnp.float32)
                     )
                     plgpu.barrier_arrive(v_free.at[prev])
-                    if early_rescale:
-                        return acc_pv, m_new, denom, p16, alpha
-                    return rescaled(acc_pv, alpha), m_new, denom, p16
+                    if not blocks.fwd_hold_p:
+                        acc = rescaled(acc, alpha)
+                    return acc, m_new, denom, p16
 
                 def step(kb, carry, masked):
                     acc, m, denom = carry
@@ -230,18 +230,15 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
                 if blocks.fwd_overlap:
                     # The first tile's scores alone (masked: right wherever it lies), the
                     # last tile's P V alone after the loop.
-                    # The first alpha rescales the zero output: no matter.
-                    p, m, alpha, denom = probabilities(scores(lo), lo, True, m, denom)
+                    p, m, _, denom = probabilities(scores(lo), lo, True, m, denom)
                     plgpu.barrier_arrive(k_free.at[ring(lo)])
                     if prefetch:
                         prefetch_rows()
-                    carry = (acc, m, denom, p.astype(dtype)) + ((alpha,) if early_rescale else ())
+                    carry = (acc, m, denom, p.astype(dtype))
                     for start, end, masked in common.spans(lo, *unmasked, own_hi):
                         body = functools.partial(overlapped, masked=masked)
                         carry = lax.fori_loop(jnp.maximum(start, lo + 1), end, body, carry)
-                    acc, m, denom, p16, *pending = carry
-                    if early_rescale:
-                        acc = rescaled(acc, *pending)
+                    acc, m, denom, p16 = carry
                     last = ring(own_hi - 1)
                     plgpu.barrier_wait(v_ready.at[last])
                     acc = common.add_product(acc, p16, v_smem.at[last])
@@ -295,6 +292,7 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
             plgpu.SMEM((stages, bk, d), dtype, transforms=tr),
             plgpu.SMEM((4, bq), jnp.int32),
             plgpu.SMEM((2, bq), jnp.float32),
+            *[plgpu.SMEM((4,), jnp.int32)] * blocks.fwd_hold_p,  # common.hold_registers' stores
         ),
         (
             plgpu.Barrier(num_barriers=stages),

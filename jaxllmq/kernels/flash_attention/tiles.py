@@ -56,12 +56,14 @@ class FlashBlocks:
     # to the other once it had issued 2-7%. At 64 over 256-key tiles it spills and ptxas
     # serializes its products; over 128-key tiles it was 4-5% slower than in order.
     fwd_overlap: bool = False
-    # The overlapped forward: the output rescaled by the tile before's alpha between the two
-    # products' issues, under S, as FlashAttention-3 orders them, rather than after P V is done
-    # (compiled at 128: 466 instructions a step unmasked, as before; ptxas still places 35 of
-    # the rescale's 64 multiplies ahead of S's issue, against all of them; 769 masked, against
-    # 706). Not yet timed.
-    fwd_early_rescale: bool = False
+    # The overlapped forward: P's registers held (common.hold_registers) until P V is awaited,
+    # and the output rescaled right after. Otherwise ptxas, taking them as free once P V is
+    # issued, reuses them for the new max and waits for P V before the softmax begins, so that
+    # a warpgroup's softmax never runs under its own P V. Compiled at 128 the wait then comes
+    # after one row's max and its first exponentials, about 75 instructions after S's (as in
+    # FlashAttention-3's machine code), against 2; 488 instructions a step unmasked, against
+    # 472; no more spills. Not yet timed.
+    fwd_hold_p: bool = False
     dkv_block_kv: int = 64  # dK/dV: keys per compute warpgroup (a CTA takes two)
     dkv_block_q: int = 64  # dK/dV: query rows per step
     dkv_stages: int = 2
