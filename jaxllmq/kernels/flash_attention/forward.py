@@ -159,8 +159,8 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
                     return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
                 def overlapped(kb, carry, masked):
-                    """Tile kb's S issued with tile kb - 1's P V: its softmax under that
-                    product, the output rescaled once both are done."""
+                    """Tile kb's S issued with tile kb - 1's P V, then its softmax (under P V
+                    where fwd_hold_p lets it), the output rescaled once both are done."""
                     acc, m, denom, p16 = carry
                     slot, prev = ring(kb), ring(kb - 1)
                     plgpu.barrier_wait(k_ready.at[slot])

@@ -49,9 +49,9 @@ class FlashBlocks:
     # Forward in order: the two compute warpgroups take turns issuing their products (meeting
     # twice a step), so that one's softmax runs under the other's products.
     fwd_turns: bool = True
-    # Forward: each compute warpgroup issues a key tile's S with the tile before's P V and works
-    # out the softmax under that product, the warpgroups not taking turns (at 128 its unmasked
-    # loop takes 472 instructions a step, against 499 in order; no spills in its loops). On an
+    # Forward: each compute warpgroup issues a key tile's S together with the tile before's P V,
+    # one wait a step fewer, the warpgroups not taking turns (at 128 its unmasked loop takes 472
+    # instructions a step, against 499 in order; no spills in its loops). On an
     # H100 at 128 turns made its forward slower: meeting twice a step 9%, each handing the turn
     # to the other once it had issued 2-7%. At 64 over 256-key tiles it spills and ptxas
     # serializes its products; over 128-key tiles it was 4-5% slower than in order.
@@ -140,9 +140,9 @@ def default_blocks(
     register-held tiles and the four stages (3.4-4.3% faster than its 128-row steps in order,
     themselves 5% faster than 64-row steps in order with dQ's steps of 64; four stages 2% faster
     than two at 8 x 2048, level at the longer shapes). At head dim 128, plain causal attention's
-    forward overlaps each warpgroup's softmax with its P V product (on an H100 the forward 4-10%
-    faster at 4 x 4096 and 2 x 8192, level at 8 x 2048; forward + backward level, within 3%
-    either way). 128-row steps spill
+    forward issues each key tile's S together with the tile before's P V (on an H100 the forward
+    4-10% faster at 4 x 4096 and 2 x 8192, level at 8 x 2048; forward + backward level, within
+    3% either way). 128-row steps spill
     registers (1.3-1.4x slower); for plain causal attention dQ is added up in the dK/dV kernel by
     column halves in overlapped steps, dS^T formed before dV's product, each warpgroup's code its
     own and the mask's offset first, dK/dV's CTAs in sections of DKV_SECTION_BYTES (on an H200 in
