@@ -51,10 +51,10 @@ class FlashBlocks:
     fwd_turns: bool = True
     # Forward: each compute warpgroup issues a key tile's S together with the tile before's P V,
     # one wait a step fewer, the warpgroups not taking turns (at 128 its unmasked loop takes 472
-    # instructions a step, against 499 in order; no spills in its loops). On an
-    # H100 at 128 turns made its forward slower: meeting twice a step 9%, each handing the turn
-    # to the other once it had issued 2-7%. At 64 over 256-key tiles it spills and ptxas
-    # serializes its products; over 128-key tiles it was 4-5% slower than in order.
+    # instructions a step, against 499 in order; no spills in its loops). On an H100 at 128
+    # turns made its forward slower: meeting twice a step 9%, each handing the turn to the
+    # other once it had issued 2-7%. At 64 over 256-key tiles it spills and ptxas serializes
+    # its products; over 128-key tiles it was 4-5% slower than in order.
     fwd_overlap: bool = False
     # The overlapped forward: P's registers held (common.hold_registers) until P V is awaited,
     # and the output rescaled right after. Otherwise ptxas, taking them as free once P V is
