@@ -54,7 +54,6 @@ def _outputs(attend, q, k, v, do):
         (64, dataclasses.replace(fa.default_blocks(64), per_warpgroup_code=True)),
         (64, dataclasses.replace(fa.default_blocks(64), fwd_overlap=True)),
         (128, fa.FlashBlocks(fwd_overlap=True)),
-        (128, fa.FlashBlocks(fwd_overlap=True, fwd_hold_p=True)),
         (256, None),
     ],
     ids=[
@@ -72,7 +71,6 @@ def _outputs(attend, q, k, v, do):
         "64-per-warpgroup-code",
         "64-forward-overlap",
         "128-forward-overlap",
-        "128-forward-hold-p",
         "256",
     ],
 )

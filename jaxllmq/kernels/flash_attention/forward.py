@@ -34,7 +34,7 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
             fk_ref, o_ref, lse_ref, *scoped = rest
         else:
             fk_ref, (o_ref, lse_ref, *scoped) = None, rest
-        (q_smem, k_smem, v_smem, fk_smem, lse_smem, *hold_smem), ready, free, turn = scoped
+        (q_smem, k_smem, v_smem, fk_smem, lse_smem), ready, free, turn = scoped
         k_ready, v_ready, rows_ready = ready
         k_free, v_free = free
         wg = lax.axis_index("wg")
@@ -159,8 +159,10 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
                     return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
                 def overlapped(kb, carry, masked):
-                    """Tile kb's S issued with tile kb - 1's P V, then its softmax (under P V
-                    where fwd_hold_p lets it), the output rescaled once both are done."""
+                    """Tile kb's S issued with tile kb - 1's P V, then its softmax, the output
+                    rescaled once both are done (ptxas, taking P's registers as free once P V is
+                    issued, reuses them for the new max, so it waits for P V before the softmax
+                    begins)."""
                     acc, m, denom, p16 = carry
                     slot, prev = ring(kb), ring(kb - 1)
                     plgpu.barrier_wait(k_ready.at[slot])
@@ -173,21 +175,13 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
                         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P V in flight
                         plgpu.barrier_arrive(k_free.at[slot])
                         p, m_new, alpha, denom_new = probabilities(s, kb, masked, m, denom)
-                        if not blocks.fwd_hold_p:
-                            return o_ref[...], m_new, alpha, denom_new, p.astype(dtype)
-                        acc_pv = rescaled(o_ref[...], alpha)
-                        # Else ptxas, taking P's registers as free once P V is issued, reuses
-                        # them for the new max and waits for P V before computing it.
-                        common.hold_registers(p16, *hold_smem)
-                        return acc_pv, m_new, alpha, denom_new, p.astype(dtype)
+                        return o_ref[...], m_new, alpha, denom_new, p.astype(dtype)
 
                     acc, m_new, alpha, denom, p16 = pl.run_scoped(
                         products, plgpu.ACC((bq, bk), jnp.float32), plgpu.ACC((bq, d), jnp.float32)
                     )
                     plgpu.barrier_arrive(v_free.at[prev])
-                    if not blocks.fwd_hold_p:
-                        acc = rescaled(acc, alpha)
-                    return acc, m_new, denom, p16
+                    return rescaled(acc, alpha), m_new, denom, p16
 
                 def step(kb, carry, masked):
                     acc, m, denom = carry
@@ -292,7 +286,6 @@ def forward(q, k, v, first_key, *, scale, vis: common.Visibility, blocks: tiles.
             plgpu.SMEM((stages, bk, d), dtype, transforms=tr),
             plgpu.SMEM((4, bq), jnp.int32),
             plgpu.SMEM((2, bq), jnp.float32),
-            *[plgpu.SMEM((4,), jnp.int32)] * blocks.fwd_hold_p,  # common.hold_registers' stores
         ),
         (
             plgpu.Barrier(num_barriers=stages),

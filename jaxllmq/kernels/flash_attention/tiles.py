@@ -51,19 +51,13 @@ class FlashBlocks:
     fwd_turns: bool = True
     # Forward: each compute warpgroup issues a key tile's S together with the tile before's P V,
     # one wait a step fewer, the warpgroups not taking turns (at 128 its unmasked loop takes 472
-    # instructions a step, against 499 in order; no spills in its loops). On an H100 at 128
-    # turns made its forward slower: meeting twice a step 9%, each handing the turn to the
-    # other once it had issued 2-7%. At 64 over 256-key tiles it spills and ptxas serializes
-    # its products; over 128-key tiles it was 4-5% slower than in order.
+    # instructions a step, against 499 in order; no spills in its loops; default_blocks' choice
+    # there). On an H100 at 128 turns made its forward slower: meeting twice a step 9%, each
+    # handing the turn to the other once it had issued 2-7%; so did keeping P's registers in use
+    # until P V's wait, so that ptxas waits for it after the max rather than before (5-19%). At
+    # 64 over 256-key tiles it spills and ptxas serializes its products; over 128-key tiles it
+    # was 4-5% slower than in order.
     fwd_overlap: bool = False
-    # The overlapped forward: P's registers held (common.hold_registers) until P V is awaited,
-    # and the output rescaled right after. Otherwise ptxas, taking them as free once P V is
-    # issued, reuses them for the new max and waits for P V before the softmax begins, so that
-    # a warpgroup's softmax never runs under its own P V. Compiled at 128 the wait then comes
-    # after one row's max and its first exponentials, about 75 instructions after S's (as in
-    # FlashAttention-3's machine code), against 2; 488 instructions a step unmasked, against
-    # 472; no more spills. Not yet timed.
-    fwd_hold_p: bool = False
     dkv_block_kv: int = 64  # dK/dV: keys per compute warpgroup (a CTA takes two)
     dkv_block_q: int = 64  # dK/dV: query rows per step
     dkv_stages: int = 2
@@ -139,10 +133,11 @@ def default_blocks(
     in its own kernel, with steps of 128 keys; dK/dV keeps the overlapped 64-row steps, the
     register-held tiles and the four stages (3.4-4.3% faster than its 128-row steps in order,
     themselves 5% faster than 64-row steps in order with dQ's steps of 64; four stages 2% faster
-    than two at 8 x 2048, level at the longer shapes). At head dim 128, plain causal attention's
-    forward issues each key tile's S together with the tile before's P V (on an H100 the forward
-    4-10% faster at 4 x 4096 and 2 x 8192, level at 8 x 2048; forward + backward level, within
-    3% either way). 128-row steps spill
+    than two at 8 x 2048, level at the longer shapes). At head dim 128 the forward issues each key
+    tile's S together with the tile before's P V (on an H100, plain causal: the forward 4-10%
+    faster at 4 x 4096 and 2 x 8192, level at 8 x 2048, forward + backward level, within 3% either
+    way; over documents and within a window of 1024 the forward level to 8% faster, forward +
+    backward 4.6% faster to 4.2% slower, the spread of two runs of one kernel). 128-row steps spill
     registers (1.3-1.4x slower); for plain causal attention dQ is added up in the dK/dV kernel by
     column halves in overlapped steps, dS^T formed before dV's product, each warpgroup's code its
     own and the mask's offset first, dK/dV's CTAs in sections of DKV_SECTION_BYTES (on an H200 in
@@ -170,7 +165,7 @@ def default_blocks(
         model = peaks.gpu_model(kind)
         fused = causal_len > 0 and not deterministic and model in DQ_BY_HALVES_GPUS
         return FlashBlocks(
-            fwd_overlap=causal_len > 0,
+            fwd_overlap=True,
             dkv_section=None if fused else 0,
             dkv_one_ready=False,
             dq_in_dkv=fused,
