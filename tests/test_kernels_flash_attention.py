@@ -446,6 +446,18 @@ def test_dq_is_added_up_in_dkv_at_128_only_on_the_gpus_where_that_was_faster():
     )
 
 
+def test_the_forward_overlaps_its_products_at_kernel_head_dim_128_only():
+    """S issued with the tile before's P V where that was measured faster: at 128, plain causal,
+    over documents and in a window alike (causal_len 0), deterministic or not; in order at 64
+    and 256."""
+    for deterministic in (False, True):
+        for causal_len in (0, 2048, 8192):
+            for head_dim, overlapped in ((32, False), (64, False), (96, True), (128, True)):
+                blocks = fa.default_blocks(head_dim, deterministic, causal_len)
+                assert blocks.fwd_overlap == overlapped, (head_dim, causal_len, deterministic)
+            assert not fa.default_blocks(256, deterministic, causal_len).fwd_overlap
+
+
 @pytest.mark.parametrize(
     ("ranks", "batch", "heads"), [(16, 8, 32), (64, 2, 32), (3, 2, 5), (7, 1, 1)]
 )
