@@ -11,7 +11,7 @@ from jaxllmq import peaks
 
 HEAD_DIMS = (64, 128, 256)
 # Where causal forward + backward runs faster than cuDNN's on an H200, 8 x 2048 to 2 x 8192:
-# 1.16-1.29x at head dim 64, 1.04-1.16x at 128 (the 3B's and Qwen3 1.7B's steps 0.4-1.3% faster
+# 1.16-1.30x at head dim 64, 1.04-1.17x at 128 (the 3B's and Qwen3 1.7B's steps 0.4-1.3% faster
 # at the same peak memory) and 1.03-1.14x at 256.
 CAUSAL_FASTER_HEAD_DIMS = (64, 128, 256)
 # Per head dim, a sliding window of at most this many keys on every layer runs faster than
@@ -53,7 +53,8 @@ class FlashBlocks:
     # one wait a step fewer, the warpgroups not taking turns (at 128 its unmasked loop takes 472
     # instructions a step, against 499 in order; no spills in its loops; default_blocks' choice
     # there). On an H100 at 128 turns made its forward slower: meeting twice a step 9%, each
-    # handing the turn to the other once it had issued 2-7%; so did keeping P's registers in use
+    # handing the turn to the other once it had issued 2-7% (through mbarriers; through named
+    # barriers, on an H200, 4.3% faster to 4.7% slower); so did keeping P's registers in use
     # until P V's wait, so that ptxas waits for it after the max rather than before (5-19%). At
     # 64 over 256-key tiles it spills and ptxas serializes its products; over 128-key tiles it
     # was 4-5% slower than in order.
@@ -137,19 +138,21 @@ def default_blocks(
     tile's S together with the tile before's P V (on an H100, plain causal: the forward 4-10%
     faster at 4 x 4096 and 2 x 8192, level at 8 x 2048, forward + backward level, within 3% either
     way; over documents and within a window of 1024 the forward level to 8% faster, forward +
-    backward 4.6% faster to 4.2% slower, the spread of two runs of one kernel). 128-row steps spill
-    registers (1.3-1.4x slower); for plain causal attention dQ is added up in the dK/dV kernel by
-    column halves in overlapped steps, dS^T formed before dV's product, each warpgroup's code its
-    own and the mask's offset first, dK/dV's CTAs in sections of DKV_SECTION_BYTES (on an H200 in
-    one section level at 8 x 2048 and 3-6% faster at 4 x 4096 and 2 x 8192 than dQ's own kernel, in
-    sections 2-6% faster again; on the DQ_BY_HALVES_GPUS only; under `deterministic` dQ's own
-    kernel, with the last two, 0.3-1% faster). Over documents or within a window that backward was
-    1.09-1.17x and 1.05x slower, so they keep the two kernels, with the last two as well (over
-    documents 5-8% faster at 2 x 8192, within a window of 1024 3%, level at 8 x 2048 and 4 x 4096).
-    The two kernels at 128 run dK/dV's CTAs in one section (0.4-2% faster than sections of 32 MiB,
-    which are 1-3% faster at 64) and wait for a step's four loads one by one (1.5-2% faster than on
-    one barrier, which is 2.6-2.9% faster at 64). Three forward stages were no faster at 64, 192-key
-    forward tiles 1.3-1.8x slower; neither, nor 256-key tiles, fits shared memory at 128."""
+    backward 4.6% faster to 4.2% slower, the spread of two runs of one kernel; on an H200 the
+    forward 2-7% faster causal, over documents and within a window, at 8 x 2048 and 4 x 4096).
+    128-row steps spill registers (1.3-1.4x slower); for plain causal attention dQ is added up in
+    the dK/dV kernel by column halves in overlapped steps, dS^T formed before dV's product, each
+    warpgroup's code its own and the mask's offset first, dK/dV's CTAs in sections of
+    DKV_SECTION_BYTES (on an H200 in one section level at 8 x 2048 and 3-6% faster at 4 x 4096 and
+    2 x 8192 than dQ's own kernel, in sections 2-6% faster again; on the DQ_BY_HALVES_GPUS only;
+    under `deterministic` dQ's own kernel, with the last two, 0.3-1% faster). Over documents or
+    within a window that backward was 1.09-1.17x and 1.05x slower, so they keep the two kernels,
+    with the last two as well (over documents 5-8% faster at 2 x 8192, within a window of 1024 3%,
+    level at 8 x 2048 and 4 x 4096). The two kernels at 128 run dK/dV's CTAs in one section (0.4-2%
+    faster than sections of 32 MiB, which are 1-3% faster at 64) and wait for a step's four loads
+    one by one (1.5-2% faster than on one barrier, which is 2.6-2.9% faster at 64). Three forward
+    stages were no faster at 64, 192-key forward tiles 1.3-1.8x slower; neither, nor 256-key tiles,
+    fits shared memory at 128."""
     kernel_d = kernel_head_dim(head_dim)
     if kernel_d == 64:
         return FlashBlocks(
