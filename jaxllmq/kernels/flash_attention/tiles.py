@@ -54,10 +54,10 @@ class FlashBlocks:
     # instructions a step, against 499 in order; no spills in its loops; default_blocks' choice
     # there). On an H100 at 128 turns made its forward slower: meeting twice a step 9%, each
     # handing the turn to the other once it had issued 2-7% (through mbarriers; through named
-    # barriers, on an H200, 4.3% faster to 4.7% slower); so did keeping P's registers in use
-    # until P V's wait, so that ptxas waits for it after the max rather than before (5-19%). At
-    # 64 over 256-key tiles it spills and ptxas serializes its products; over 128-key tiles it
-    # was 4-5% slower than in order.
+    # barriers, on an H200, no faster: 4.3% faster to 4.7% slower); so did keeping P's registers
+    # in use until P V's wait, so that ptxas waits for it after the max rather than before
+    # (5-19%). At 64 over 256-key tiles it spills and ptxas serializes its products; over 128-key
+    # tiles it was 4-5% slower than in order.
     fwd_overlap: bool = False
     dkv_block_kv: int = 64  # dK/dV: keys per compute warpgroup (a CTA takes two)
     dkv_block_q: int = 64  # dK/dV: query rows per step
