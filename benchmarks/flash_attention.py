@@ -11,7 +11,8 @@ shape and head dim taking their batches in turn (bench.time_calls_in_turn), so t
 GPU's clock over the run falls on each alike. One JSON line per measurement. With
 --jax_linear_attention, also that package's kernel of the same design; with --flash_attn3,
 FlashAttention-3's CUDA kernels for Hopper; with --flash_attn4, FlashAttention-4's CuTe DSL kernels
-(their Hopper path on an H100 or H200) (optional extras: the project does not need them). With
+(their Hopper path on an H100 or H200); with --tokamax, tokamax's Pallas Mosaic GPU kernels (optional
+extras: the project does not need them). With
 --spills, no timing: each kernel's register spills as ptxas reports them, how many sit in its
 loops of matrix products, and whether ptxas serialized its matrix products
 (benchmarks/kernel_code.py), per head dim and --blocks setting, on a GPU or, with jax's CUDA
@@ -75,6 +76,13 @@ flags.DEFINE_bool(
     False,
     "Also time FlashAttention-4's CuTe DSL kernels (`pip install 'fa4-jax[cu13]'`; on Hopper their "
     "wgmma path, FlashAttention-3's tiles), causal and with each of --windows.",
+)
+flags.DEFINE_bool(
+    "tokamax",
+    False,
+    "Also time tokamax's Pallas Mosaic GPU flash attention (`pip install tokamax`; its forward "
+    "of FlashAttention-3's design, dQ and dK/dV in two backward kernels, at its own heuristic "
+    "tiles), causal and with each of --windows.",
 )
 flags.DEFINE_bool(
     "kernels_apart",
@@ -167,6 +175,16 @@ def flash_attn4_kernel(scale: float, window: int | None = None):
     flash_attn = _optional("flash_attn4", "fa4_jax", "flash_attn", "pip install 'fa4-jax[cu13]'")
     bound = (window - 1, 0) if window else None
     return lambda q, k, v: flash_attn(q, k, v, causal=True, window_size=bound, scale=scale)
+
+
+def tokamax_kernel(scale: float, window: int | None = None):
+    """tokamax's Mosaic GPU causal attention within `window` (its left bound counts the keys
+    before the query: window - 1), or SystemExit if the package is not installed."""
+    attend = _optional("tokamax", "tokamax", "dot_product_attention", "pip install tokamax")
+    bound = (window - 1, 0) if window else None
+    return lambda q, k, v: attend(
+        q, k, v, scale=scale, is_causal=True, local_window_size=bound, implementation="mosaic"
+    )
 
 
 def _grad_fn(attend):
@@ -279,6 +297,8 @@ def measure(b: int, t: int, d: int) -> None:
         variants["flash-attn3"] = (flash_attn3_kernel(scale), reference)
     if FLAGS.flash_attn4:
         variants["flash-attn4"] = (flash_attn4_kernel(scale), reference)
+    if FLAGS.tokamax:
+        variants["tokamax"] = (tokamax_kernel(scale), reference)
     # Documents and windows: the share of causal's blocks their queries see, and of its time.
     causal_blocks = visible_blocks(jnp.zeros((b, t), jnp.int32))
     block_shares = {}
@@ -310,6 +330,8 @@ def measure(b: int, t: int, d: int) -> None:
             variants[f"flash-attn3 window {w}"] = (flash_attn3_kernel(scale, w), windowed_reference)
         if FLAGS.flash_attn4:
             variants[f"flash-attn4 window {w}"] = (flash_attn4_kernel(scale, w), windowed_reference)
+        if FLAGS.tokamax:
+            variants[f"tokamax window {w}"] = (tokamax_kernel(scale, w), windowed_reference)
     if FLAGS.kernels_apart and d in fa.HEAD_DIMS:  # padded head dims: not the kernels alone
         emit(_kernels_apart(q, k, v, do, scale))
     built = {}  # the variants that compiled and ran: (forward, forward + backward)
@@ -407,6 +429,8 @@ def main(argv):
         flash_attn3_kernel(1.0)
     if FLAGS.flash_attn4:
         flash_attn4_kernel(1.0)
+    if FLAGS.tokamax:
+        tokamax_kernel(1.0)
     for shape in FLAGS.shapes:
         b, t = map(int, shape.split("x"))
         for d in map(int, FLAGS.head_dims):

@@ -205,6 +205,20 @@ def test_flash_attn4_passes_the_window_as_its_keys_before_the_query(monkeypatch)
     assert all(c["causal"] and c["scale"] == 0.125 for c in calls)
 
 
+def test_tokamax_passes_the_window_as_its_keys_before_the_query(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokamax", None)
+    with pytest.raises(SystemExit, match="--tokamax: the package is not installed"):
+        flash_attention.tokamax_kernel(0.125)
+    calls = []
+    fake = types.SimpleNamespace(dot_product_attention=lambda q, k, v, **kw: calls.append(kw))
+    monkeypatch.setitem(sys.modules, "tokamax", fake)
+    flash_attention.tokamax_kernel(0.125)(None, None, None)
+    flash_attention.tokamax_kernel(0.125, 512)(None, None, None)
+    assert [c["local_window_size"] for c in calls] == [None, (511, 0)]
+    assert all(c["is_causal"] and c["scale"] == 0.125 for c in calls)
+    assert all(c["implementation"] == "mosaic" for c in calls)
+
+
 def test_visible_blocks_counts_the_tiles_a_window_or_documents_leave():
     """Four 128-row query blocks: causal sees 1 + 2 + 3 + 4 key blocks. A 128-token window
     leaves each block its diagonal and the block before (7). Two documents of 256 tokens
