@@ -80,8 +80,9 @@ flags.DEFINE_bool(
 flags.DEFINE_bool(
     "tokamax",
     False,
-    "Also time tokamax's Pallas Mosaic GPU flash attention (`pip install tokamax`; its forward "
-    "of FlashAttention-3's design, dQ and dK/dV in two backward kernels, at its own heuristic "
+    "Also time tokamax's Pallas Mosaic GPU flash attention (`pip install tokamax`, a release "
+    "built for the installed jax: 0.0.12 calls Pallas by jax 0.10's names; its forward of "
+    "FlashAttention-3's design, dQ and dK/dV in two backward kernels, at its own heuristic "
     "tiles), causal and with each of --windows.",
 )
 flags.DEFINE_bool(
