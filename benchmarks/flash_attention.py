@@ -11,12 +11,11 @@ shape and head dim taking their batches in turn (bench.time_calls_in_turn), so t
 GPU's clock over the run falls on each alike. One JSON line per measurement. With
 --jax_linear_attention, also that package's kernel of the same design; with --flash_attn3,
 FlashAttention-3's CUDA kernels for Hopper; with --flash_attn4, FlashAttention-4's CuTe DSL kernels
-(their Hopper path on an H100 or H200); with --tokamax, tokamax's Pallas Mosaic GPU kernels (optional
-extras: the project does not need them). With
---spills, no timing: each kernel's register spills as ptxas reports them, how many sit in its
-loops of matrix products, and whether ptxas serialized its matrix products
-(benchmarks/kernel_code.py), per head dim and --blocks setting, on a GPU or, with jax's CUDA
-plugin, on a machine without one. With --profile_calls, each variant's forward + backward traced
+(their Hopper path on an H100 or H200); with --tokamax, tokamax's Pallas Mosaic GPU kernels
+(optional extras: the project does not need them). With --spills, no timing: each kernel's
+register spills as ptxas reports them, how many sit in its loops of matrix products, and whether
+ptxas serialized its matrix products (benchmarks/kernel_code.py), per head dim and --blocks
+setting, on a GPU or, with jax's CUDA plugin, on a machine without one. With --profile_calls, each variant's forward + backward traced
 after its timing: every kernel's time per call and the time no kernel runs. With --energy_seconds,
 each variant's energy per call and the GPU's clock under sustained load, where a power cap can
 slow one kernel more than another.
@@ -188,6 +187,15 @@ def tokamax_kernel(scale: float, window: int | None = None):
     )
 
 
+# Each other package's causal attention within a window (None: causal): its --flag, its rows'
+# name, and the kernel for a scale and a window.
+OTHER_KERNELS = (
+    ("flash_attn3", "flash-attn3", flash_attn3_kernel),
+    ("flash_attn4", "flash-attn4", flash_attn4_kernel),
+    ("tokamax", "tokamax", tokamax_kernel),
+)
+
+
 def _grad_fn(attend):
     def loss(q, k, v, do):
         return jnp.sum(attend(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
@@ -294,12 +302,9 @@ def measure(b: int, t: int, d: int) -> None:
                 jax_linear_attention_kernel(mode, scale),
                 reference,
             )
-    if FLAGS.flash_attn3:
-        variants["flash-attn3"] = (flash_attn3_kernel(scale), reference)
-    if FLAGS.flash_attn4:
-        variants["flash-attn4"] = (flash_attn4_kernel(scale), reference)
-    if FLAGS.tokamax:
-        variants["tokamax"] = (tokamax_kernel(scale), reference)
+    for flag, name, kernel in OTHER_KERNELS:
+        if FLAGS[flag].value:
+            variants[name] = (kernel(scale), reference)
     # Documents and windows: the share of causal's blocks their queries see, and of its time.
     causal_blocks = visible_blocks(jnp.zeros((b, t), jnp.int32))
     block_shares = {}
@@ -327,12 +332,9 @@ def measure(b: int, t: int, d: int) -> None:
         windowed_reference = bounded(f"mosaic window {w}", None, w)
         if FLAGS.cudnn:
             variants[f"cudnn window {w}"] = (cudnn(w), windowed_reference)
-        if FLAGS.flash_attn3:
-            variants[f"flash-attn3 window {w}"] = (flash_attn3_kernel(scale, w), windowed_reference)
-        if FLAGS.flash_attn4:
-            variants[f"flash-attn4 window {w}"] = (flash_attn4_kernel(scale, w), windowed_reference)
-        if FLAGS.tokamax:
-            variants[f"tokamax window {w}"] = (tokamax_kernel(scale, w), windowed_reference)
+        for flag, name, kernel in OTHER_KERNELS:
+            if FLAGS[flag].value:
+                variants[f"{name} window {w}"] = (kernel(scale, w), windowed_reference)
     if FLAGS.kernels_apart and d in fa.HEAD_DIMS:  # padded head dims: not the kernels alone
         emit(_kernels_apart(q, k, v, do, scale))
     built = {}  # the variants that compiled and ran: (forward, forward + backward)
@@ -426,12 +428,9 @@ def main(argv):
         return
     if FLAGS.jax_linear_attention:
         jax_linear_attention_kernel("ranged", 1.0)  # not installed: stop before any shape
-    if FLAGS.flash_attn3:
-        flash_attn3_kernel(1.0)
-    if FLAGS.flash_attn4:
-        flash_attn4_kernel(1.0)
-    if FLAGS.tokamax:
-        tokamax_kernel(1.0)
+    for flag, _, kernel in OTHER_KERNELS:
+        if FLAGS[flag].value:
+            kernel(1.0)  # not installed: stop before any shape
     for shape in FLAGS.shapes:
         b, t = map(int, shape.split("x"))
         for d in map(int, FLAGS.head_dims):

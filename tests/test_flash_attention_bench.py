@@ -219,6 +219,24 @@ def test_tokamax_passes_the_window_as_its_keys_before_the_query(monkeypatch):
     assert all(c["implementation"] == "mosaic" for c in calls)
 
 
+def test_each_other_package_gets_a_causal_and_a_windowed_row(monkeypatch, capsys):
+    """--flash_attn3, --flash_attn4 and --tokamax each add their package's rows, causal and per
+    window, beside ours (the packages faked: each returns its queries)."""
+    fakes = {
+        "dew_flash_attn": {"flash_mha": lambda q, k, v, **kw: q},
+        "fa4_jax": {"flash_attn": lambda q, k, v, **kw: q},
+        "tokamax": {"dot_product_attention": lambda q, k, v, **kw: q},
+    }
+    for module, names in fakes.items():
+        monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(**names))
+    flags = ["--flash_attn3", "--flash_attn4", "--tokamax"]
+    settings = [*flags, "--windows=128", "--nodocuments", "--nocudnn", "--noerrors"]
+    timed = {row["variant"] for row in measured_rows(settings, capsys) if "fwd_ms" in row}
+    others = {name for _, name, _ in flash_attention.OTHER_KERNELS}
+    assert others == {"flash-attn3", "flash-attn4", "tokamax"}
+    assert timed >= others | {f"{name} window 128" for name in others}
+
+
 def test_visible_blocks_counts_the_tiles_a_window_or_documents_leave():
     """Four 128-row query blocks: causal sees 1 + 2 + 3 + 4 key blocks. A 128-token window
     leaves each block its diagonal and the block before (7). Two documents of 256 tokens
