@@ -15,10 +15,10 @@ FlashAttention-3's CUDA kernels for Hopper; with --flash_attn4, FlashAttention-4
 (optional extras: the project does not need them). With --spills, no timing: each kernel's
 register spills as ptxas reports them, how many sit in its loops of matrix products, and whether
 ptxas serialized its matrix products (benchmarks/kernel_code.py), per head dim and --blocks
-setting, on a GPU or, with jax's CUDA plugin, on a machine without one. With --profile_calls, each variant's forward + backward traced
-after its timing: every kernel's time per call and the time no kernel runs. With --energy_seconds,
-each variant's energy per call and the GPU's clock under sustained load, where a power cap can
-slow one kernel more than another.
+setting, on a GPU or, with jax's CUDA plugin, on a machine without one. With --profile_calls,
+each variant's forward + backward traced after its timing: every kernel's time per call and the
+time no kernel runs. With --energy_seconds, each variant's energy per call and the GPU's clock
+under sustained load, where a power cap can slow one kernel more than another.
 
     python3 -m benchmarks.flash_attention --shapes=8x2048,4x4096,2x8192 --head_dims=64,128
     python3 -m benchmarks.flash_attention --spills --head_dims=128 --blocks= --blocks=dkv_overlap=1

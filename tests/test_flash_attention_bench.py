@@ -179,57 +179,54 @@ def test_jax_linear_attention_is_a_one_line_exit_where_it_is_not_installed(monke
         flash_attention.jax_linear_attention_kernel("fused", 0.125)
 
 
-def test_flash_attn3_passes_the_window_as_its_keys_before_the_query(monkeypatch):
-    monkeypatch.setitem(sys.modules, "dew_flash_attn", None)
-    with pytest.raises(SystemExit, match="--flash_attn3: the package is not installed"):
-        flash_attention.flash_attn3_kernel(0.125)
+# Each other package the bench times: its flag, the module and function the bench calls, the
+# keyword that takes the window, its bound for plain causal attention, and the keywords every
+# call passes.
+OTHER_PACKAGES = [
+    (
+        "flash_attn3",
+        "dew_flash_attn",
+        "flash_mha",
+        "window_size",
+        (-1, -1),
+        {"is_causal": True, "softmax_scale": 0.125},
+    ),
+    ("flash_attn4", "fa4_jax", "flash_attn", "window_size", None, {"causal": True, "scale": 0.125}),
+    (
+        "tokamax",
+        "tokamax",
+        "dot_product_attention",
+        "local_window_size",
+        None,
+        {"is_causal": True, "scale": 0.125, "implementation": "mosaic"},
+    ),
+]
+
+
+@pytest.mark.parametrize("flag, module, function, window_key, causal_bound, fixed", OTHER_PACKAGES)
+def test_each_other_package_takes_the_window_as_its_keys_before_the_query(
+    monkeypatch, flag, module, function, window_key, causal_bound, fixed
+):
+    (kernel,) = [kernel for f, _, kernel in flash_attention.OTHER_KERNELS if f == flag]
+    monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError
+    with pytest.raises(SystemExit, match=f"--{flag}: the package is not installed"):
+        kernel(0.125)
     calls = []
-    fake = types.SimpleNamespace(flash_mha=lambda q, k, v, **kw: calls.append(kw))
-    monkeypatch.setitem(sys.modules, "dew_flash_attn", fake)
-    flash_attention.flash_attn3_kernel(0.125)(None, None, None)
-    flash_attention.flash_attn3_kernel(0.125, 512)(None, None, None)
-    assert [c["window_size"] for c in calls] == [(-1, -1), (511, 0)]
-    assert all(c["is_causal"] and c["softmax_scale"] == 0.125 for c in calls)
-
-
-def test_flash_attn4_passes_the_window_as_its_keys_before_the_query(monkeypatch):
-    monkeypatch.setitem(sys.modules, "fa4_jax", None)
-    with pytest.raises(SystemExit, match="--flash_attn4: the package is not installed"):
-        flash_attention.flash_attn4_kernel(0.125)
-    calls = []
-    fake = types.SimpleNamespace(flash_attn=lambda q, k, v, **kw: calls.append(kw))
-    monkeypatch.setitem(sys.modules, "fa4_jax", fake)
-    flash_attention.flash_attn4_kernel(0.125)(None, None, None)
-    flash_attention.flash_attn4_kernel(0.125, 512)(None, None, None)
-    assert [c["window_size"] for c in calls] == [None, (511, 0)]
-    assert all(c["causal"] and c["scale"] == 0.125 for c in calls)
-
-
-def test_tokamax_passes_the_window_as_its_keys_before_the_query(monkeypatch):
-    monkeypatch.setitem(sys.modules, "tokamax", None)
-    with pytest.raises(SystemExit, match="--tokamax: the package is not installed"):
-        flash_attention.tokamax_kernel(0.125)
-    calls = []
-    fake = types.SimpleNamespace(dot_product_attention=lambda q, k, v, **kw: calls.append(kw))
-    monkeypatch.setitem(sys.modules, "tokamax", fake)
-    flash_attention.tokamax_kernel(0.125)(None, None, None)
-    flash_attention.tokamax_kernel(0.125, 512)(None, None, None)
-    assert [c["local_window_size"] for c in calls] == [None, (511, 0)]
-    assert all(c["is_causal"] and c["scale"] == 0.125 for c in calls)
-    assert all(c["implementation"] == "mosaic" for c in calls)
+    fake = {function: lambda q, k, v, **kw: calls.append(kw)}
+    monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(**fake))
+    kernel(0.125)(None, None, None)
+    kernel(0.125, 512)(None, None, None)
+    assert [c[window_key] for c in calls] == [causal_bound, (511, 0)]
+    assert all(c[key] == value for c in calls for key, value in fixed.items())
 
 
 def test_each_other_package_gets_a_causal_and_a_windowed_row(monkeypatch, capsys):
     """--flash_attn3, --flash_attn4 and --tokamax each add their package's rows, causal and per
     window, beside ours (the packages faked: each returns its queries)."""
-    fakes = {
-        "dew_flash_attn": {"flash_mha": lambda q, k, v, **kw: q},
-        "fa4_jax": {"flash_attn": lambda q, k, v, **kw: q},
-        "tokamax": {"dot_product_attention": lambda q, k, v, **kw: q},
-    }
-    for module, names in fakes.items():
-        monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(**names))
-    flags = ["--flash_attn3", "--flash_attn4", "--tokamax"]
+    for _, module, function, *_ in OTHER_PACKAGES:
+        fake = {function: lambda q, k, v, **kw: q}
+        monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(**fake))
+    flags = [f"--{flag}" for flag, *_ in OTHER_PACKAGES]
     settings = [*flags, "--windows=128", "--nodocuments", "--nocudnn", "--noerrors"]
     timed = {row["variant"] for row in measured_rows(settings, capsys) if "fwd_ms" in row}
     others = {name for _, name, _ in flash_attention.OTHER_KERNELS}
