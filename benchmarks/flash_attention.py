@@ -18,7 +18,8 @@ ptxas serialized its matrix products (benchmarks/kernel_code.py), per head dim a
 setting, on a GPU or, with jax's CUDA plugin, on a machine without one. With --profile_calls,
 each variant's forward + backward traced after its timing: every kernel's time per call and the
 time no kernel runs. With --energy_seconds, each variant's energy per call and the GPU's clock
-under sustained load, where a power cap can slow one kernel more than another.
+under sustained load, where a power cap can slow one kernel more than another. With --run_once, no
+timing: each variant's forward + backward run once, for a profiler (benchmarks/ncu_summary.py).
 
     python3 -m benchmarks.flash_attention --shapes=8x2048,4x4096,2x8192 --head_dims=64,128
     python3 -m benchmarks.flash_attention --spills --head_dims=128 --blocks= --blocks=dkv_overlap=1
@@ -107,6 +108,13 @@ flags.DEFINE_float(
     "those runs (sustained_ms), which a power cap can lengthen past the timed batches' (NVML, on "
     "a GPU; bench.energy_in_turn). 0: not measured.",
     lower_bound=0.0,
+)
+flags.DEFINE_bool(
+    "run_once",
+    False,
+    "Instead of timing, run each variant's forward + backward once, compiled first, so that a "
+    "profiler wrapping the process sees each of its kernels once (Nsight Compute: "
+    "benchmarks/ncu_summary.py).",
 )
 flags.DEFINE_bool(
     "spills",
@@ -337,6 +345,12 @@ def measure(b: int, t: int, d: int) -> None:
                 variants[f"{name} window {w}"] = (kernel(scale, w), windowed_reference)
     if FLAGS.kernels_apart and d in fa.HEAD_DIMS:  # padded head dims: not the kernels alone
         emit(_kernels_apart(q, k, v, do, scale))
+    if FLAGS.run_once:
+        for name, (attend, _) in variants.items():
+            grad = _grad_fn(attend).lower(q, k, v, do).compile()
+            jax.block_until_ready(grad(q, k, v, do))
+            emit({"variant": name, "ran_once": True})
+        return
     built = {}  # the variants that compiled and ran: (forward, forward + backward)
     for name, (attend, _) in variants.items():
         try:

@@ -173,6 +173,31 @@ def test_the_flash_bench_meters_each_variants_energy_where_asked(monkeypatch, ca
     assert row["fwd_bwd_ms"] == 1.0 and row["joules_per_call"] == 2.5 and row["sustained_ms"] == 1.1
 
 
+def test_run_once_runs_each_variants_forward_and_backward_once_and_times_nothing(
+    monkeypatch, capsys
+):
+    """--run_once: for a profiler, each variant's forward + backward compiled, then run a single
+    time (the forward inside it, not apart), and no timing."""
+    ran = []
+
+    def attention(q, k, v, *, scale, blocks=None, **bounds):
+        jax.debug.callback(lambda: ran.append(blocks.dkv_stages))
+        return fa.reference_attention(q, k, v, scale)
+
+    def no_timing(calls_by_name, calls):
+        raise AssertionError("--run_once timed a call")
+
+    monkeypatch.setattr(fa, "flash_attention", attention)
+    monkeypatch.setattr(flash_attention.bench, "time_calls_in_turn", no_timing)
+    settings = ["--run_once", "--blocks=", "--blocks=dkv_stages=3", "--windows=", "--nodocuments"]
+    rows = measured_rows([*settings, "--nocudnn"], capsys)
+    assert [(row["variant"], row["ran_once"]) for row in rows] == [
+        ("mosaic default", True),
+        ("mosaic dkv_stages=3", True),
+    ]
+    assert ran == [fa.default_blocks(64).dkv_stages, 3]
+
+
 def test_jax_linear_attention_is_a_one_line_exit_where_it_is_not_installed(monkeypatch):
     monkeypatch.setitem(sys.modules, "jla", None)  # import jla raises ImportError
     with pytest.raises(SystemExit, match="--jax_linear_attention: the package is not installed"):
