@@ -93,11 +93,11 @@ class FlashBlocks:
     dkv_mask_offset_first: bool = False
     # dK/dV up to head dim 128: a key head's query heads split over this many CTAs per key tile,
     # each writing its share of dK and dV (summed after in fp32), so that the CTAs running at
-    # once read fewer heads' query rows and dO and add into fewer heads' dQ sums (at 128 the
-    # 132 CTAs' heads hold about 69 MB of them, more than the L2; Nsight Compute read 84% L2
-    # hits there, FlashAttention-3's kernel 95%). On an H100, plain causal: at 128 four splits
-    # took 3.7% less backward time at 2 x 8192, 0.5% less at 4 x 4096 and 5% more at 8 x 2048
-    # (one reading each); at 64 8-22% more. No default takes it yet.
+    # once read fewer heads' query rows and dO and add into fewer heads' dQ sums (at 128 and
+    # 2 x 8192 Nsight Compute read 84% L2 hits for the kernel without splits, 95% for
+    # FlashAttention-3's, whose CTAs take one head each). On an H100, plain causal: at 128
+    # four splits took 3.7% less backward time at 2 x 8192, 0.5% less at 4 x 4096 and 5% more
+    # at 8 x 2048 (one reading each); at 64 8-22% more. No default takes it yet.
     dkv_head_splits: int = 1
     # Every kernel: each compute warpgroup's code compiled with its index known (twice over),
     # so that its tiles' addresses and wgmma's descriptors of them sit in uniform registers
