@@ -347,9 +347,12 @@ def measure(b: int, t: int, d: int) -> None:
         emit(_kernels_apart(q, k, v, do, scale))
     if FLAGS.run_once:
         for name, (attend, _) in variants.items():
-            grad = _grad_fn(attend).lower(q, k, v, do).compile()
-            jax.block_until_ready(grad(q, k, v, do))
-            emit({"variant": name, "ran_once": True})
+            try:
+                grad = _grad_fn(attend).lower(q, k, v, do).compile()
+                jax.block_until_ready(grad(q, k, v, do))
+                emit({"variant": name, "ran_once": True})
+            except Exception as e:  # one variant's failure must not end the sweep
+                emit({"variant": name, "error": error_text(e)})
         return
     built = {}  # the variants that compiled and ran: (forward, forward + backward)
     for name, (attend, _) in variants.items():

@@ -177,10 +177,13 @@ def test_run_once_runs_each_variants_forward_and_backward_once_and_times_nothing
     monkeypatch, capsys
 ):
     """--run_once: for a profiler, each variant's forward + backward compiled, then run a single
-    time (the forward inside it, not apart), and no timing."""
+    time (the forward inside it, not apart), and no timing; a setting the kernels refuse gets a
+    row with its error."""
     ran = []
 
     def attention(q, k, v, *, scale, blocks=None, **bounds):
+        if blocks.per_warpgroup_code:
+            raise ValueError("Mosaic GPU kernel exceeds available shared memory")
         jax.debug.callback(lambda: ran.append(blocks.dkv_stages))
         return fa.reference_attention(q, k, v, scale)
 
@@ -189,12 +192,15 @@ def test_run_once_runs_each_variants_forward_and_backward_once_and_times_nothing
 
     monkeypatch.setattr(fa, "flash_attention", attention)
     monkeypatch.setattr(flash_attention.bench, "time_calls_in_turn", no_timing)
-    settings = ["--run_once", "--blocks=", "--blocks=dkv_stages=3", "--windows=", "--nodocuments"]
-    rows = measured_rows([*settings, "--nocudnn"], capsys)
-    assert [(row["variant"], row["ran_once"]) for row in rows] == [
-        ("mosaic default", True),
-        ("mosaic dkv_stages=3", True),
+    settings = ["--run_once", "--blocks=", "--blocks=per_warpgroup_code=1", "--blocks=dkv_stages=3"]
+    rows = measured_rows([*settings, "--windows=", "--nodocuments", "--nocudnn"], capsys)
+    assert [row["variant"] for row in rows] == [
+        "mosaic default",
+        "mosaic per_warpgroup_code=1",
+        "mosaic dkv_stages=3",
     ]
+    assert rows[0]["ran_once"] and rows[2]["ran_once"]
+    assert "exceeds available shared memory" in rows[1]["error"]  # and the sweep went on
     assert ran == [fa.default_blocks(64).dkv_stages, 3]
 
 
