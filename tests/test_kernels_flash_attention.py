@@ -81,14 +81,7 @@ def test_refuses_what_it_does_not_take_in_one_line():
 
 
 @pytest.mark.parametrize(
-    "change",
-    [
-        dict(dkv_block_q=32),
-        dict(block_kv=0),
-        dict(dq_stages=0),
-        dict(dkv_section=-1),
-        dict(dkv_head_splits=0),
-    ],
+    "change", [dict(dkv_block_q=32), dict(block_kv=0), dict(dq_stages=0), dict(dkv_section=-1)]
 )
 def test_tiles_that_no_kernel_takes_are_refused(change):
     with pytest.raises(ValueError, match="tiles are positive multiples of 64"):
@@ -136,8 +129,6 @@ def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
         (256, 80, False, None, None),
         (256, 256, False, None, None),
         (256, 256, True, 100, None),
-        (256, 64, False, None, dataclasses.replace(fa.default_blocks(64), dkv_head_splits=2)),
-        (256, 128, True, 100, fa.FlashBlocks(dkv_head_splits=2)),
     ],
     ids=[
         "causal-64",
@@ -159,8 +150,6 @@ def test_head_dims_below_128_run_at_the_next_kernel_head_dim():
         "80",
         "causal-256",
         "bounded-256",
-        "dkv-head-splits-64",
-        "bounded-dkv-head-splits-128",
     ],
 )
 def test_forward_and_backward_lower_to_mosaic_gpu(t, d, documents, window, blocks):
@@ -397,25 +386,6 @@ def test_dq_in_dkv_is_refused_above_head_dim_128():
         return jnp.sum(fa.flash_attention(q, k, v, scale=1.0, blocks=blocks).astype(jnp.float32))
 
     with pytest.raises(ValueError, match="dq_in_dkv takes head dims 64 and 128 only, not 256"):
-        export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(q, kv, kv)
-
-
-@pytest.mark.parametrize(
-    "d, splits, message",
-    [
-        (64, 3, r"dkv_head_splits \(3\) must divide the 2 query heads of a key head"),
-        (256, 2, "dkv_head_splits takes head dims up to 128, not 256"),
-    ],
-)
-def test_dkv_head_splits_are_refused_where_the_kernel_cannot_take_them(d, splits, message):
-    q = jax.ShapeDtypeStruct((1, 256, 4, d), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, 256, 2, d), jnp.bfloat16)
-    blocks = fa.FlashBlocks(dkv_head_splits=splits)
-
-    def loss(q, k, v):
-        return jnp.sum(fa.flash_attention(q, k, v, scale=1.0, blocks=blocks).astype(jnp.float32))
-
-    with pytest.raises(ValueError, match=message):
         export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(q, kv, kv)
 
 

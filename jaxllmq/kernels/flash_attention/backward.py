@@ -47,8 +47,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     2 x dkv_block_kv keys of a key head, over the query tiles of every query head of its group
     that see them. The CTAs go section by section of (batch, key head) pairs (dkv_section), and
     within a section those of the first keys, which the most queries see, start first. Above
-    MAX_NARROW_HEAD_DIM, backward_wide's kernel. With dkv_head_splits, a CTA takes that share of
-    the group's query heads, and writes its share of dK and dV for them, summed after.
+    MAX_NARROW_HEAD_DIM, backward_wide's kernel.
 
     dQ in dK/dV: each step both warpgroups put their dS^T in shared memory (a ring of
     ds_buffers) and arrive; the warpgroup whose turn it is (the step's parity) waits for both,
@@ -62,8 +61,6 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
         dims = " and ".join(map(str, DQ_IN_DKV_HEAD_DIMS))
         raise ValueError(f"flash attention: dq_in_dkv takes head dims {dims} only, not {d}")
     if d > MAX_NARROW_HEAD_DIM:
-        if blocks.dkv_head_splits > 1:
-            raise ValueError(f"flash attention: dkv_head_splits takes head dims up to 128, not {d}")
         return backward_wide.backward_dkv_wide(
             q, k, v, do, lse, delta, last_row, scale=scale, vis=vis, blocks=blocks
         )
@@ -71,13 +68,6 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     dq_cols = d // 2 if halves else d  # a piece's columns
     hkv = k.shape[2]
     group = hq // hkv
-    splits = blocks.dkv_head_splits
-    if group % splits:
-        raise ValueError(
-            f"flash attention: dkv_head_splits ({splits}) must divide the {group} query heads "
-            "of a key head"
-        )
-    heads = group // splits  # query heads a CTA takes
     bq, bk, stages = blocks.dkv_block_q, blocks.dkv_block_kv, blocks.dkv_stages
     ready_per_slot = 1 if blocks.dkv_one_ready else 4  # barriers a step's loads arrive on
     keys = 2 * bk
@@ -92,7 +82,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
     dtype = q.dtype
     c2 = scale * common.LOG2E
     tr = common.TILE_TRANSFORMS
-    section = common.dkv_pairs_per_section(blocks, q.shape, heads, q.dtype)
+    section = common.dkv_pairs_per_section(blocks, q.shape, group, q.dtype)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         rest = list(rest)
@@ -103,18 +93,8 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
         # A compute warpgroup's keys where its index is traced, formed before the warpgroups'
         # branch: formed inside it, dK/dV's loops at 64 take 1-3 more instructions a step.
         k_traced = k_smem.at[pl.ds(lax.axis_index("wg") * bk, bk)]
-        # A "pair" here: a batch row, a key head and one of its splits of query heads.
-        rank, pair = common.section_order(
-            lax.axis_index("ctas"), t // keys, b_ * hkv * splits, section
-        )
-        split, pair = (lax.rem(pair, splits), lax.div(pair, splits)) if splits > 1 else (0, pair)
+        rank, pair = common.section_order(lax.axis_index("ctas"), t // keys, b_ * hkv, section)
         b, kv_head = lax.div(pair, hkv), lax.rem(pair, hkv)
-
-        def first_head():
-            """This CTA's first query head, worked out at each use: a value held from here
-            changed ptxas's registers in the loops at 64 and 128 without splits."""
-            return kv_head * group + split * heads if splits > 1 else kv_head * group
-
         first_key = rank * keys
         wg = lax.axis_index("wg")
         lo, hi = common.query_tiles(lr_ref, b, first_key, keys, bq, t, vis)
@@ -171,7 +151,7 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                     dq_smem.at[wg][...] = part
                     plgpu.commit_smem()
                     cols = pl.ds(wg * dq_cols, dq_cols) if halves else slice(None)
-                    dst = dq_ref.at[b, pl.ds(qb * bq, bq), first_head() + g, cols]
+                    dst = dq_ref.at[b, pl.ds(qb * bq, bq), kv_head * group + g, cols]
                     plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op="add")
 
             def step(i, carry, g, qb, masked):
@@ -265,16 +245,15 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                     carry = lax.fori_loop(start, end, masked if mask else plain, carry)
                 return carry
 
-            dk, dv = lax.fori_loop(0, heads, head, (zeros, zeros))
+            dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
             if fused:  # the other's last dQ product has read both key tiles
                 plgpu.barrier_arrive(turns[1])
                 plgpu.barrier_wait(turns[1])
             k_own[...] = (dk * scale).astype(dtype)
             v_smem.at[wg][...] = dv.astype(dtype)
             plgpu.commit_smem()
-            part = (split,) if splits > 1 else ()
-            plgpu.copy_smem_to_gmem(k_own, dk_ref.at[(*part, b, own, kv_head)])
-            plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[(*part, b, own, kv_head)])
+            plgpu.copy_smem_to_gmem(k_own, dk_ref.at[b, own, kv_head])
+            plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[b, own, kv_head])
             plgpu.wait_smem_to_gmem(0)
 
         common.each_compute_warpgroup(compute, wg, blocks.per_warpgroup_code)
@@ -289,8 +268,8 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
                 ready,
                 free,
                 b,
-                first_head(),
-                heads,
+                kv_head * group,
+                group,
                 lo,
                 per_head,
                 bq,
@@ -323,21 +302,16 @@ def backward_dkv(q, k, v, do, lse, delta, last_row, *, scale, vis, blocks):
         if fused
         else None,
     ]
-    parts = (splits,) if splits > 1 else ()  # each split's share of dK and dV
-    out_type = (jax.ShapeDtypeStruct((*parts, *k.shape), dtype),) * 2
-    grid = (t // keys * b_ * hkv * splits,)
+    out_type = (jax.ShapeDtypeStruct(k.shape, dtype),) * 2
+    grid = (t // keys * b_ * hkv,)
     name = "flash_attention_dkv_dq" if fused else "flash_attention_dkv"
     call = common.kernel_call(name, body, out_type, grid, ("ctas",), scratch, with_refs=fused)
     args = (q, k, v, do, lse, delta) + ((last_row,) if vis.bounded else ())
-
-    def summed(shares):
-        return shares.astype(jnp.float32).sum(0).astype(dtype) if splits > 1 else shares
-
     if not fused:
-        return tuple(map(summed, call(*args)))
+        return call(*args)
     dq_sum = jax.new_ref(zeros_after(delta, q.shape))
     dk, dv = call(*args, dq_sum)
-    return summed(dk), summed(dv), (dq_sum[...] * scale).astype(dtype)
+    return dk, dv, (dq_sum[...] * scale).astype(dtype)
 
 
 def backward_dq(q, k, v, do, lse, delta, first_key, *, scale, vis, blocks):

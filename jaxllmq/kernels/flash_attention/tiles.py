@@ -91,14 +91,6 @@ class FlashBlocks:
     # per_warpgroup_code its masked loops at 128 load nothing from local memory, against 5-12
     # loads a step).
     dkv_mask_offset_first: bool = False
-    # dK/dV up to head dim 128: a key head's query heads split over this many CTAs per key tile,
-    # each writing its share of dK and dV (summed after in fp32), so that the CTAs running at
-    # once read fewer heads' query rows and dO and add into fewer heads' dQ sums (at 128 and
-    # 2 x 8192 Nsight Compute read 84% L2 hits for the kernel without splits, 95% for
-    # FlashAttention-3's, whose CTAs take one head each). On an H100, plain causal: at 128
-    # four splits took 3.7% less backward time at 2 x 8192, 0.5% less at 4 x 4096 and 5% more
-    # at 8 x 2048 (one reading each); at 64 8-22% more. No default takes it yet.
-    dkv_head_splits: int = 1
     # Every kernel: each compute warpgroup's code compiled with its index known (twice over),
     # so that its tiles' addresses and wgmma's descriptors of them sit in uniform registers
     # instead of each thread's (at 128, dQ in dK/dV with overlapped steps spills 140 / 204
@@ -112,12 +104,11 @@ class FlashBlocks:
         if (
             any(tile <= 0 or tile % 64 for tile in tiles)
             or min(stages) < 1
-            or self.dkv_head_splits < 1
             or (self.dkv_section is not None and self.dkv_section < 0)
         ):
             raise ValueError(
                 "flash attention: tiles are positive multiples of 64 (wgmma's least contraction), "
-                f"stages and head splits 1 or more and sections 0 or more, not {self}"
+                f"stages 1 or more and sections 0 or more, not {self}"
             )
 
 
