@@ -3,7 +3,8 @@
 ncu's source page (`--page source --csv --print-source sass`) lists each profiled kernel's
 machine code with, per instruction, how often warps executed it and in which state the
 profiler's periodic samples found them (issuing, or stalled and why). Instructions a loop runs
-run equally often, so grouping them by that count splits a kernel into its loops. One JSON line
+run equally often, so grouping them by that count splits a kernel into its loops (loops that
+ran equally often fall together). One JSON line
 per profiled launch, in order: the kernel's samples and executed instructions, its heaviest loops
 (each loop's instructions, executions, share of the samples and leading stall reasons) and its
 hottest instructions.
@@ -79,10 +80,10 @@ def summarize(name: str, rows: list[dict[str, str]], loops: int = 6, hottest: in
     for row in rows:
         groups[_number(row.get(EXECUTED))].append(row)
 
-    def group_samples(item):
-        return sum(_number(row.get(SAMPLES)) for row in item[1])
+    def samples_of(body):
+        return sum(_number(row.get(SAMPLES)) for row in body)
 
-    heaviest = sorted(groups.items(), key=group_samples, reverse=True)[:loops]
+    heaviest = sorted(groups.items(), key=lambda group: samples_of(group[1]), reverse=True)[:loops]
     by_samples = sorted(rows, key=lambda row: _number(row.get(SAMPLES)), reverse=True)
     return {
         "kernel": name,
@@ -93,8 +94,8 @@ def summarize(name: str, rows: list[dict[str, str]], loops: int = 6, hottest: in
                 "runs": int(runs),
                 "instructions": len(body),
                 "executed": int(runs * len(body)),
-                "samples_share": round(group_samples((runs, body)) / samples, 4),
-                "stalls": _stalls(body, group_samples((runs, body)) or 1.0, 4),
+                "samples_share": round(samples_of(body) / samples, 4),
+                "stalls": _stalls(body, samples_of(body) or 1.0, 4),
             }
             for runs, body in heaviest
         ],
@@ -118,15 +119,15 @@ def main(argv: list[str]) -> None:
         )
     for path in argv[1:]:
         try:
-            kernels = read_source_page(path)
+            launches = read_source_page(path)
         except OSError as e:
             raise SystemExit(f"{path}: {e.strerror}") from None
-        if not kernels:
+        if not launches:
             raise SystemExit(
                 f"{path}: no kernel in it; give ncu's source page (--page source --csv "
                 "--print-source sass)"
             )
-        for launch, (name, rows) in enumerate(kernels):
+        for launch, (name, rows) in enumerate(launches):
             summary = summarize(name, rows, FLAGS.loops, FLAGS.hottest)
             print(json.dumps({"launch": launch, **summary}))
 
