@@ -112,8 +112,8 @@ flags.DEFINE_float(
 flags.DEFINE_bool(
     "run_once",
     False,
-    "Instead of timing, run each variant's forward + backward once, compiled first, so that a "
-    "profiler wrapping the process sees each of its kernels once (Nsight Compute: "
+    "Instead of timing, run each variant's forward + backward once, so that a profiler "
+    "wrapping the process sees each of its kernels once (Nsight Compute: "
     "benchmarks/ncu_summary.py).",
 )
 flags.DEFINE_bool(
@@ -345,23 +345,20 @@ def measure(b: int, t: int, d: int) -> None:
                 variants[f"{name} window {w}"] = (kernel(scale, w), windowed_reference)
     if FLAGS.kernels_apart and d in fa.HEAD_DIMS:  # padded head dims: not the kernels alone
         emit(_kernels_apart(q, k, v, do, scale))
-    if FLAGS.run_once:
-        for name, (attend, _) in variants.items():
-            try:
-                grad = _grad_fn(attend).lower(q, k, v, do).compile()
-                jax.block_until_ready(grad(q, k, v, do))
-                emit({"variant": name, "ran_once": True})
-            except Exception as e:  # one variant's failure must not end the sweep
-                emit({"variant": name, "error": error_text(e)})
-        return
     built = {}  # the variants that compiled and ran: (forward, forward + backward)
     for name, (attend, _) in variants.items():
         try:
             fwd, grad = jax.jit(attend), _grad_fn(attend)
+            if FLAGS.run_once:  # for a profiler: the forward runs only inside the backward's call
+                jax.block_until_ready(grad(q, k, v, do))
+                emit({"variant": name, "ran_once": True})
+                continue
             jax.block_until_ready((fwd(q, k, v), grad(q, k, v, do)))
             built[name] = (fwd, grad)
         except Exception as e:  # one variant's failure must not end the sweep
             emit({"variant": name, "error": error_text(e)})
+    if FLAGS.run_once:
+        return
     fwd_s = bench.time_calls_in_turn(
         {name: lambda f=fwd: f(q, k, v) for name, (fwd, _) in built.items()}, calls=20
     )
