@@ -4,10 +4,9 @@ ncu's source page (`--page source --csv --print-source sass`) lists each profile
 machine code with, per instruction, how often warps executed it and in which state the
 profiler's periodic samples found them (issuing, or stalled and why). Instructions a loop runs
 run equally often, so grouping them by that count splits a kernel into its loops (loops that
-ran equally often fall together). One JSON line
-per profiled launch, in order: the kernel's samples and executed instructions, its heaviest loops
-(each loop's instructions, executions, share of the samples and leading stall reasons) and its
-hottest instructions.
+ran equally often fall together). One JSON line per profiled launch, in order: the kernel's
+samples and executed instructions, its heaviest loops (each loop's instructions, executions,
+share of the samples and leading stall reasons) and its hottest instructions.
 
 A profile of the flash attention kernels (`--run_once` runs each variant's forward + backward a
 single time; on a GPU machine whose profiler reads the hardware counters):
@@ -117,16 +116,16 @@ def main(argv: list[str]) -> None:
             "usage: python3 -m benchmarks.ncu_summary SOURCE.csv [...], each ncu's source page "
             "(ncu -i REPORT --page source --csv --print-source sass)"
         )
+    wanted = "give ncu's source page as CSV (ncu -i REPORT --page source --csv --print-source sass)"
     for path in argv[1:]:
         try:
             launches = read_source_page(path)
         except OSError as e:
-            raise SystemExit(f"{path}: {e.strerror}") from None
+            raise SystemExit(f"{path}: {e.strerror or e}") from None
+        except (UnicodeDecodeError, csv.Error):  # a binary file, such as the .ncu-rep itself
+            raise SystemExit(f"{path}: not CSV text; {wanted}") from None
         if not launches:
-            raise SystemExit(
-                f"{path}: no kernel in it; give ncu's source page (--page source --csv "
-                "--print-source sass)"
-            )
+            raise SystemExit(f"{path}: no kernel in it; {wanted}")
         for launch, (name, rows) in enumerate(launches):
             summary = summarize(name, rows, FLAGS.loops, FLAGS.hottest)
             print(json.dumps({"launch": launch, **summary}))

@@ -89,6 +89,10 @@ def test_it_prints_a_line_per_kernel_and_refuses_a_file_that_is_no_source_page(
         other.write_text('"ID","Kernel Name","Metric Name"\n"0","k","Duration"\n')
         with pytest.raises(SystemExit, match="no kernel in it; give ncu's source page"):
             ncu_summary.main(["ncu_summary", str(other)])
+        report = tmp_path / "x.ncu-rep"
+        report.write_bytes(bytes([0x4E, 0xD8, 0x00, 0xFF]) * 64)  # not text
+        with pytest.raises(SystemExit, match="x.ncu-rep: not CSV text; give ncu's source page"):
+            ncu_summary.main(["ncu_summary", str(report)])
         with pytest.raises(SystemExit, match="missing.csv: No such file"):
             ncu_summary.main(["ncu_summary", str(tmp_path / "missing.csv")])
     finally:
