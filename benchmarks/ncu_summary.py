@@ -110,13 +110,17 @@ def summarize(name: str, rows: list[dict[str, str]], loops: int = 6, hottest: in
     }
 
 
+# How to export a report's source page, which is what this reads.
+SOURCE_PAGE_COMMAND = "ncu -i REPORT --page source --csv --print-source sass"
+
+
 def main(argv: list[str]) -> None:
     if len(argv) < 2:
         raise SystemExit(
             "usage: python3 -m benchmarks.ncu_summary SOURCE.csv [...], each ncu's source page "
-            "(ncu -i REPORT --page source --csv --print-source sass)"
+            f"({SOURCE_PAGE_COMMAND})"
         )
-    wanted = "give ncu's source page as CSV (ncu -i REPORT --page source --csv --print-source sass)"
+    wanted = f"give ncu's source page as CSV ({SOURCE_PAGE_COMMAND})"
     for path in argv[1:]:
         try:
             launches = read_source_page(path)
