@@ -27,11 +27,12 @@ import tempfile
 PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+?)(?:_mosaic_gpu_kernel)?'")
 PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 # ptxas's note that it made a kernel's wgmma wait for each other, whatever its code (seen so far:
-# C7513, an operand's registers written while a product is in flight; C7514, an accumulator's
-# read, as with a product in flight across a loop's edge), which costs every product its overlap.
+# C7512, too few registers, "for the function"; C7513, an operand's registers written while a
+# product is in flight; C7514, an accumulator's read, as with a product in flight across a loop's
+# edge; those two "in the function"), which costs every product its overlap.
 PTXAS_SERIALIZED = re.compile(
     r"\((C\d+)\) Potential Performance Loss: wgmma\.mma_async instructions are serialized"
-    r".*in the function '(\w+?)(?:_mosaic_gpu_kernel)?'"
+    r".*(?:in|for) the function '(\w+?)(?:_mosaic_gpu_kernel)?'"
 )
 PTX_TARGET = re.compile(r"^\.target\s+(\w+)", re.MULTILINE)
 # `ptxas --version`'s last line: "Cuda compilation tools, release 13.0, V13.0.88".

@@ -152,8 +152,17 @@ def test_the_spill_report_names_each_kernel_with_its_own_spills():
     assert kernel_code.ptxas_spills("") == {}
 
 
+# Too few registers: ptxas words this note "for the function", not "in".
+SERIALIZED_FOR_REGISTERS = """ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the function 'flash_attention_dkv_dq_mosaic_gpu_kernel'
+ptxas info    : 0 bytes gmem
+"""
+
+
 def test_the_report_names_the_kernels_whose_products_ptxas_serialized():
     assert kernel_code.ptxas_serialized(SERIALIZED_REPORT) == {"new_body": ["C7514"]}
+    assert kernel_code.ptxas_serialized(SERIALIZED_FOR_REGISTERS) == {
+        "flash_attention_dkv_dq": ["C7512"]
+    }
     assert kernel_code.ptxas_spills(SERIALIZED_REPORT) == {"new_body": [0, 0]}
     assert kernel_code.ptxas_serialized(PTXAS_REPORT) == {}
 
