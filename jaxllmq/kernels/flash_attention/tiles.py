@@ -149,10 +149,10 @@ def default_blocks(
     2 x 8192 than dQ's own kernel, in sections 2-6% faster again; on the DQ_BY_HALVES_GPUS only;
     under `deterministic` dQ's own kernel, with the last two, 0.3-1% faster), and a step's four
     loads on one barrier (on an H100 the backward 1-6% faster than waiting for each: 479 / 495
-    instructions a step against 511 / 531). Over documents or
-    within a window that backward was 1.09-1.17x and 1.05x slower, so they keep the two kernels,
-    with the last two as well (over documents 5-8% faster at 2 x 8192, within a window of 1024 3%,
-    level at 8 x 2048 and 4 x 4096). The two kernels at 128 run dK/dV's CTAs in one section (0.4-2%
+    instructions a step against 511 / 531). Over documents or within a window that backward was
+    1.09-1.17x and 1.05x slower, so they keep the two kernels, with the last two as well (over
+    documents 5-8% faster at 2 x 8192, within a window of 1024 3%, level at 8 x 2048 and
+    4 x 4096). The two kernels at 128 run dK/dV's CTAs in one section (0.4-2%
     faster than sections of 32 MiB, which are 1-3% faster at 64) and wait for a step's four loads
     one by one (1.5-2% faster than on one barrier, which is 2.6-2.9% faster at 64). Three forward
     stages were no faster at 64, 192-key forward tiles 1.3-1.8x slower; neither, nor 256-key tiles,
